@@ -1,0 +1,1 @@
+"""dspark: confidence-scheduled speculative decoding."""
