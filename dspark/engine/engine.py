@@ -1,0 +1,273 @@
+"""The continuous-batching speculative engine.
+
+`Engine.step()` reads as the four stages of dspark:
+
+    draft  ->  schedule  ->  verify  ->  commit
+
+Requests join (`add_request`) and leave (finish, `abort`) between any two
+steps. Prefill is chunked and rides in the same ragged target forward as the
+decoding requests' verification.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dspark.draft.base import Drafter
+from dspark.engine.batcher import Batcher, BatchLimits, StepPlan
+from dspark.engine.forward import StepBatch, build_step_batch
+from dspark.engine.request import Request, Status
+from dspark.errors import UserError
+from dspark.schedule import ScheduleOutcome, ScheduleRequest, VerifyPolicy, expected_accepted
+from dspark.types import DraftProposal, SamplingParams, VerifyResult
+from dspark.verify import verify
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_running: int = 32  # requests decoding at once (KV slots)
+    max_seq_len: int = 2048  # prompt + output tokens per request
+    kv_budget_tokens: int = 65536  # KV tokens across all requests
+    max_prefill_tokens: int = 512  # prompt tokens computed per step
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "max_seq_len", "kv_budget_tokens", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise UserError(f"engine setting {name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class StepOutput:
+    """What one request got from one step (for streaming)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+class Engine:
+    def __init__(
+        self,
+        target,
+        drafter: Drafter,
+        policy: VerifyPolicy,
+        config: EngineConfig = EngineConfig(),
+        *,
+        tokenizer=None,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
+        from dspark.models.kv_cache import KVCache
+
+        self.target = target
+        self.drafter = drafter
+        self.policy = policy
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_ids = set(target.config.eos_token_ids)
+        max_seq = min(config.max_seq_len, target.config.max_position_embeddings)
+        self.max_seq_len = max_seq
+        dtype = kv_dtype or next(target.parameters()).dtype
+        self.kv = KVCache(target.config, config.max_running, max_seq, dtype)
+        limits = BatchLimits(
+            max_running=config.max_running,
+            kv_budget_tokens=config.kv_budget_tokens,
+            max_prefill_tokens=config.max_prefill_tokens,
+            step_reserve=drafter.block_size + 1,
+        )
+        self.batcher = Batcher(limits, self.kv)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.step_seconds = 0.0
+
+    # ------------------------------------------------------------------ API
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        if not prompt_ids:
+            raise UserError("the prompt is empty: give at least one token of text")
+        if len(prompt_ids) + 1 > self.max_seq_len:
+            raise UserError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_seq_len}: "
+                "shorten the prompt or raise max_seq_len"
+            )
+        vocab = self.target.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise UserError(f"prompt token ids must be in [0, {vocab})")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise UserError(f"request id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        req = Request(
+            request_id=rid,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            generator=torch.Generator().manual_seed(seed),
+            block_size=self.drafter.block_size,
+        )
+        self.requests[rid] = req
+        self.batcher.add(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.finished:
+            self._finish(req, "abort")
+
+    def has_work(self) -> bool:
+        return self.batcher.has_work()
+
+    def pop_finished(self, request_id: str) -> Request:
+        return self.requests.pop(request_id)
+
+    # ----------------------------------------------------------------- step
+    def step(self) -> list[StepOutput]:
+        start = time.perf_counter()
+        plan = self.batcher.plan(self.drafter.new_state, self._release)
+        if plan.empty:
+            return []
+        proposal = self._draft(plan.decode)
+        verify_lens = self._schedule(plan.decode, proposal)
+        batch = build_step_batch(plan, proposal, verify_lens, self.drafter.block_size)
+        result, hidden = self._verify(batch)
+        outputs = self._commit(plan, batch, result, hidden)
+        self.num_steps += 1
+        self.step_seconds += time.perf_counter() - start
+        return outputs
+
+    # --------------------------------------------------------------- stages
+    def _draft(self, decoding: list[Request]) -> DraftProposal:
+        if not decoding:
+            return DraftProposal(
+                draft_tokens=torch.zeros(0, self.drafter.block_size, dtype=torch.int64),
+                num_drafted=torch.zeros(0, dtype=torch.int64),
+            )
+        anchors = torch.tensor([r.anchor for r in decoding], dtype=torch.int64)
+        proposal = self.drafter.propose(
+            [r.draft_state for r in decoding], anchors, [r.params for r in decoding],
+            [r.generator for r in decoding],
+        )
+        # never draft past the request's token or context limit
+        for i, req in enumerate(decoding):
+            room = min(req.remaining_tokens - 1, self.max_seq_len - len(req.all_ids))
+            if int(proposal.num_drafted[i]) > room:
+                proposal.num_drafted[i] = max(room, 0)
+        return proposal
+
+    def _schedule(self, decoding: list[Request], proposal: DraftProposal) -> list[int]:
+        if not decoding:
+            return []
+        conf = proposal.confidences
+        requests = [
+            ScheduleRequest(
+                request_id=req.request_id,
+                num_drafted=int(proposal.num_drafted[i]),
+                confidences=None if conf is None else [float(c) for c in conf[i, : int(proposal.num_drafted[i])]],
+            )
+            for i, req in enumerate(decoding)
+        ]
+        lens = self.policy.decide(requests)
+        return [max(0, min(int(l), s.num_drafted)) for l, s in zip(lens, requests)]
+
+    def _verify(self, batch: StepBatch) -> tuple[VerifyResult | None, torch.Tensor | None]:
+        out = self.target.forward(
+            batch.ragged, self.kv, logits_rows=batch.logits_rows, tap_layers=self.drafter.tap_layers
+        )
+        if not batch.entries:
+            return None, out.tapped_hidden
+        target_logits = batch.scatter_logits(out.logits)
+        entries = batch.entries
+        result = verify(
+            batch.proposal, target_logits, batch.verify_lens,
+            [e.request.params for e in entries], [e.request.generator for e in entries],
+        )
+        return result, out.tapped_hidden
+
+    def _commit(self, plan: StepPlan, batch: StepBatch, result, hidden) -> list[StepOutput]:
+        states, tokens, taps, outcomes = [], [], [], []
+        to_append: list[tuple[Request, list[int]]] = []
+        for seg in batch.segments:
+            req = seg.request
+            if seg.kind == "prefill":
+                observed = req.all_ids[seg.start_pos : seg.start_pos + seg.length]
+                req.num_computed += seg.length
+                if seg.entry_index is not None:  # prompt done: its last row sampled a first token
+                    to_append.append((req, result.committed(seg.entry_index)))
+            else:
+                e = seg.entry_index
+                num_accepted = int(result.num_accepted[e])
+                committed = result.committed(e)
+                kept = num_accepted + 1  # the anchor and the accepted drafts keep their KV
+                self.kv.truncate(req.slot, seg.start_pos + kept)
+                req.num_computed = seg.start_pos + kept
+                observed = [req.anchor] + committed[:num_accepted]
+                req.stats.record(seg.verify_len, num_accepted, self._predicted(batch, e, seg.verify_len))
+                outcomes.append(ScheduleOutcome(req.request_id, seg.verify_len, num_accepted))
+                to_append.append((req, committed))
+            states.append(req.draft_state)
+            tokens.append(torch.tensor(observed, dtype=torch.int64))
+            if hidden is not None:
+                taps.append(hidden[seg.row_start : seg.row_start + len(observed)])
+        self.drafter.observe(states, tokens, taps if hidden is not None else None)
+        if outcomes:
+            self.policy.commit(outcomes)
+        return [self._append(req, committed) for req, committed in to_append]
+
+    @staticmethod
+    def _predicted(batch: StepBatch, entry: int, verify_len: int) -> float | None:
+        conf = batch.proposal.confidences
+        if conf is None:
+            return None
+        return expected_accepted([float(c) for c in conf[entry]], verify_len)
+
+    # ------------------------------------------------------------- helpers
+    def _append(self, req: Request, committed: list[int]) -> StepOutput:
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        new: list[int] = []
+        reason = None
+        for tok in committed:
+            if tok in self.eos_ids and not req.params.ignore_eos:
+                reason = "stop"
+                break
+            new.append(tok)
+            if len(req.output_ids) + len(new) >= req.params.max_new_tokens:
+                reason = "length"
+                break
+        req.output_ids.extend(new)
+        if reason is None and req.params.stop and self._hit_stop(req):
+            reason = "stop"
+        if reason is None and len(req.all_ids) >= self.max_seq_len:
+            reason = "length"
+        if reason is not None:
+            self._finish(req, reason)
+        return StepOutput(req.request_id, new, req.finished, req.finish_reason)
+
+    def _hit_stop(self, req: Request) -> bool:
+        if self.tokenizer is None:
+            return False
+        longest = max(len(s) for s in req.params.stop)
+        tail = self.tokenizer.decode(req.output_ids[-(longest + 8) :], skip_special_tokens=True)
+        return any(s in tail for s in req.params.stop)
+
+    def _release(self, req: Request) -> None:
+        if req.slot is not None:
+            self.kv.free(req.slot)
+            req.slot = None
+        if req.draft_state is not None:
+            self.drafter.release(req.draft_state)
+            req.draft_state = None
+        req.num_computed = 0
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self._release(req)
+        self.batcher.finish(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.finish_time = time.perf_counter()

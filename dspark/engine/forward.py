@@ -1,0 +1,118 @@
+"""Lay one step out as a single ragged target forward (paper section 5.3).
+
+Each running request contributes one *segment* of consecutive tokens: a
+prefill chunk, or a decoding round's anchor plus its scheduled draft prefix.
+Segments that end in sampling (decode rounds, and the last prefill chunk of a
+request that has no output yet) are *verify entries*: the verifier sees their
+logits as rows of a padded [E, G + 1, V] tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.engine.batcher import StepPlan
+from dspark.engine.request import Request
+from dspark.types import DraftProposal, RaggedBatch
+
+
+@dataclass
+class Segment:
+    kind: str  # "prefill" | "decode"
+    request: Request
+    start_pos: int  # position of the segment's first token (cache length before the step)
+    length: int  # tokens in the ragged batch
+    row_start: int  # index of the first token in the flattened batch
+    entry_index: int | None  # row of the verify tensors, or None (prefill that samples nothing)
+    verify_len: int = 0
+
+
+@dataclass
+class StepBatch:
+    """E verify entries, G block size, N flattened tokens, M logits rows."""
+
+    ragged: RaggedBatch
+    segments: list[Segment]
+    entries: list[Segment]
+    proposal: DraftProposal  # [E, G] rows aligned with entries
+    verify_lens: torch.Tensor  # [E] int64
+    logits_rows: torch.Tensor  # [M] int64 rows of the flattened batch whose logits we need
+    block_size: int
+
+    def scatter_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[M, V] logits -> [E, G + 1, V], zero padded past each verify length."""
+        out = logits.new_zeros(len(self.entries), self.block_size + 1, logits.shape[-1])
+        row = 0
+        for e, seg in enumerate(self.entries):
+            n = seg.verify_len + 1
+            out[e, :n] = logits[row : row + n]
+            row += n
+        return out
+
+
+def build_step_batch(
+    plan: StepPlan, proposal: DraftProposal, verify_lens: list[int], block_size: int
+) -> StepBatch:
+    tokens: list[int] = []
+    segments: list[Segment] = []
+    logits_rows: list[int] = []
+    entry_rows: list[tuple[str, int]] = []  # ("empty", -) or ("draft", decode index)
+    for req, chunk in plan.prefill:
+        start = req.num_computed
+        samples = start + chunk == req.prefill_target and not req.output_ids
+        seg = Segment("prefill", req, start, chunk, len(tokens), len(entry_rows) if samples else None)
+        tokens.extend(req.all_ids[start : start + chunk])
+        if samples:
+            logits_rows.append(len(tokens) - 1)
+            entry_rows.append(("empty", -1))
+        segments.append(seg)
+    for i, req in enumerate(plan.decode):
+        l = verify_lens[i]
+        seg = Segment("decode", req, req.num_computed, l + 1, len(tokens), len(entry_rows), l)
+        tokens.append(req.anchor)
+        tokens.extend(int(t) for t in proposal.draft_tokens[i, :l])
+        logits_rows.extend(range(seg.row_start, seg.row_start + l + 1))
+        entry_rows.append(("draft", i))
+        segments.append(seg)
+    ragged = RaggedBatch(
+        token_ids=torch.tensor(tokens, dtype=torch.int64),
+        slots=[s.request.slot for s in segments],
+        query_lens=[s.length for s in segments],
+    )
+    entries = [s for s in segments if s.entry_index is not None]
+    return StepBatch(
+        ragged=ragged,
+        segments=segments,
+        entries=entries,
+        proposal=_entry_proposal(proposal, entry_rows, block_size),
+        verify_lens=torch.tensor([s.verify_len for s in entries], dtype=torch.int64),
+        logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
+        block_size=block_size,
+    )
+
+
+def _entry_proposal(proposal: DraftProposal, entry_rows: list[tuple[str, int]], block_size: int) -> DraftProposal:
+    """The decode proposal re-indexed by verify entry; first-token entries get empty rows."""
+    if all(kind == "draft" for kind, _ in entry_rows):
+        return proposal
+    num = len(entry_rows)
+    out = DraftProposal(
+        draft_tokens=torch.zeros(num, block_size, dtype=torch.int64),
+        num_drafted=torch.zeros(num, dtype=torch.int64),
+        draft_probs=None
+        if proposal.draft_probs is None
+        else proposal.draft_probs.new_zeros(num, block_size, proposal.draft_probs.shape[-1]),
+        confidences=None if proposal.confidences is None else proposal.confidences.new_zeros(num, block_size),
+    )
+    for e, (kind, i) in enumerate(entry_rows):
+        if kind != "draft":
+            continue
+        out.draft_tokens[e] = proposal.draft_tokens[i]
+        out.num_drafted[e] = proposal.num_drafted[i]
+        if proposal.draft_probs is not None:
+            out.draft_probs[e] = proposal.draft_probs[i]
+        if proposal.confidences is not None:
+            out.confidences[e] = proposal.confidences[i]
+    return out
