@@ -1,0 +1,272 @@
+"""The SPS cost table: steps per second of the engine against the verify budget.
+
+B is the number of tokens the target verifies in one step, B = sum over the
+requests of (1 + l_r). The engine measures the seconds one step takes at a few
+budgets; `CostTable` turns those points into an O(1) lookup `sps(B)`:
+
+- between measured budgets, time per step is interpolated linearly;
+- below the first measured budget, time is the first point's time (flat);
+- beyond the last measured budget, time is extrapolated linearly with the slope
+  of the last measured segment (or, where that slope is not positive, the mean
+  slope over the whole range, floored at zero).
+
+The raw points are always kept. `monotone()` returns a copy whose lookup uses
+an isotonic (non-decreasing) fit of time against B, which smooths measurement
+noise; the raw, jagged curve stays available because the asynchronous
+scheduler (paper section 5.2) searches it globally and can exploit its cliffs.
+
+A table carries a `CostKey` (model, drafter, hardware, settings fingerprint) so
+the engine can cache it on disk: `CostTable.load` refuses a file measured for
+another key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dspark.errors import UserError
+
+_FORMAT = "dspark-cost-table"
+_VERSION = 1
+
+
+class CostKeyMismatch(UserError):
+    """A cached cost table was measured for another model, drafter, machine or setting."""
+
+
+@dataclass(frozen=True)
+class CostKey:
+    """What a cost table was measured for; a cached table is reused only on an exact match."""
+
+    model: str  # target model identity (name or path plus dtype)
+    drafter: str  # drafter identity (kind plus block size)
+    hardware: str  # device description (e.g. "cpu:2 cores" or a GPU name)
+    settings: str  # fingerprint of the engine settings that change step time
+
+
+def settings_fingerprint(settings: Mapping[str, object]) -> str:
+    """A short stable hash of JSON-serialisable settings, for `CostKey.settings`."""
+    text = json.dumps(settings, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def budget_grid(max_budget: int, dense_until: int = 16, ratio: float = 1.25) -> list[int]:
+    """Budgets worth measuring up to `max_budget`: every B up to `dense_until`
+    (small budgets are where step time is most jagged), then a geometric grid."""
+    if max_budget < 1:
+        raise ValueError(f"max_budget must be >= 1, got {max_budget}")
+    if ratio <= 1.0:
+        raise ValueError(f"ratio must be > 1, got {ratio}")
+    grid = list(range(1, min(dense_until, max_budget) + 1))
+    b = float(grid[-1])
+    while grid[-1] < max_budget:
+        b *= ratio
+        grid.append(min(max_budget, max(grid[-1] + 1, round(b))))
+    return grid
+
+
+def _isotonic(values: Sequence[float]) -> list[float]:
+    """Least-squares non-decreasing fit (pool adjacent violators, equal weights)."""
+    blocks: list[list[float]] = []  # each block: [mean, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, count = blocks.pop()
+            prev = blocks[-1]
+            prev[0] = (prev[0] * prev[1] + mean * count) / (prev[1] + count)
+            prev[1] += count
+    fitted: list[float] = []
+    for mean, count in blocks:
+        fitted.extend([mean] * int(count))
+    return fitted
+
+
+class CostTable:
+    """Seconds per step (and steps per second) of the engine as a function of B.
+
+    `points` maps measured budgets B >= 1 to seconds per step (> 0). Lookups
+    for B <= the largest measured budget read a dense precomputed list; larger
+    B use a linear formula, so every lookup is O(1).
+    """
+
+    def __init__(
+        self,
+        points: Mapping[int, float] | Sequence[tuple[int, float]],
+        key: CostKey | None = None,
+        monotone: bool = False,
+    ) -> None:
+        items = list(points.items()) if isinstance(points, Mapping) else list(points)
+        if not items:
+            raise ValueError("a cost table needs at least one measured point")
+        budgets = [int(b) for b, _ in items]
+        if len(set(budgets)) != len(budgets):
+            raise ValueError(f"duplicate budgets in cost table points: {sorted(budgets)}")
+        for b, s in items:
+            if int(b) != b or b < 1:
+                raise ValueError(f"budgets must be integers >= 1, got {b}")
+            if not (math.isfinite(s) and s > 0):
+                raise ValueError(f"seconds per step must be finite and > 0, got {s} at B={b}")
+        ordered = sorted((int(b), float(s)) for b, s in items)
+        self.key = key
+        self.is_monotone = monotone
+        self.budgets: list[int] = [b for b, _ in ordered]
+        self.raw_seconds: list[float] = [s for _, s in ordered]
+        self.seconds: list[float] = _isotonic(self.raw_seconds) if monotone else list(self.raw_seconds)
+        self._dense = self._densify()  # seconds per step for B = 0..max budget (index 0 unused)
+        self._tail_slope = self._extrapolation_slope()
+
+    @classmethod
+    def from_sps(cls, sps: Mapping[int, float], key: CostKey | None = None) -> "CostTable":
+        """Build from steps per second instead of seconds per step (tests, the paper's examples)."""
+        return cls({b: 1.0 / v for b, v in sps.items()}, key=key)
+
+    def monotone(self) -> "CostTable":
+        """A copy whose lookup uses the isotonic (non-decreasing time) fit of the raw points."""
+        return CostTable(self.points(), key=self.key, monotone=True)
+
+    def points(self) -> list[tuple[int, float]]:
+        """The raw measured points (B, seconds per step), sorted by B."""
+        return list(zip(self.budgets, self.raw_seconds))
+
+    @property
+    def max_budget(self) -> int:
+        return self.budgets[-1]
+
+    def _densify(self) -> list[float]:
+        dense = [self.seconds[0]] * (self.budgets[-1] + 1)
+        for (b0, s0), (b1, s1) in zip(zip(self.budgets, self.seconds), zip(self.budgets[1:], self.seconds[1:])):
+            for b in range(b0, b1 + 1):
+                dense[b] = s0 + (s1 - s0) * (b - b0) / (b1 - b0)
+        return dense
+
+    def _extrapolation_slope(self) -> float:
+        if len(self.budgets) < 2:
+            return 0.0
+        last = (self.seconds[-1] - self.seconds[-2]) / (self.budgets[-1] - self.budgets[-2])
+        if last > 0:
+            return last
+        mean = (self.seconds[-1] - self.seconds[0]) / (self.budgets[-1] - self.budgets[0])
+        return max(0.0, mean)
+
+    def seconds_per_step(self, budget: int) -> float:
+        """Seconds one step takes when it verifies `budget` tokens in total."""
+        if budget < 1:
+            raise ValueError(f"budget must be >= 1, got {budget}")
+        if budget < len(self._dense):
+            return self._dense[budget]
+        return self.seconds[-1] + self._tail_slope * (budget - self.budgets[-1])
+
+    def sps(self, budget: int) -> float:
+        """Steps per second at a verify budget of `budget` tokens."""
+        return 1.0 / self.seconds_per_step(budget)
+
+    def to_json(self) -> dict:
+        return {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "key": asdict(self.key) if self.key is not None else None,
+            "monotone": self.is_monotone,
+            "points": [[b, s] for b, s in self.points()],
+        }
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        tmp.replace(path)  # atomic: a reader never sees half a file
+
+    @classmethod
+    def from_json(cls, data: dict, source: str = "cost table") -> "CostTable":
+        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+            raise UserError(f"{source} is not a dspark cost table; delete it to re-profile")
+        if data.get("version") != _VERSION:
+            raise UserError(f"{source} has cost table version {data.get('version')}, expected {_VERSION}; delete it to re-profile")
+        try:
+            key = CostKey(**data["key"]) if data["key"] is not None else None
+            points = [(int(b), float(s)) for b, s in data["points"]]
+            return cls(points, key=key, monotone=bool(data["monotone"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserError(f"{source} is malformed ({exc}); delete it to re-profile") from exc
+
+    @classmethod
+    def load(cls, path: str | Path, key: CostKey | None) -> "CostTable":
+        """Read a saved table; raise `CostKeyMismatch` if it was measured for another key."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise UserError(f"cost table {path} does not exist; profile the engine to create it") from exc
+        except json.JSONDecodeError as exc:
+            raise UserError(f"cost table {path} is not valid JSON ({exc}); delete it to re-profile") from exc
+        table = cls.from_json(data, source=f"cost table {path}")
+        if table.key != key:
+            raise CostKeyMismatch(
+                f"cost table {path} was measured for {table.key}, not {key}; "
+                "delete it or point the engine at another file to re-profile"
+            )
+        return table
+
+    @classmethod
+    def try_load(cls, path: str | Path, key: CostKey | None) -> "CostTable | None":
+        """`load`, but None when the file is missing or was measured for another key."""
+        if not Path(path).exists():
+            return None
+        try:
+            return cls.load(path, key)
+        except CostKeyMismatch:
+            return None
+
+    def plot(self, path: str | Path, title: str | None = None) -> None:
+        """Write a PNG: steps per second and milliseconds per step against B."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        grid = list(range(1, self.max_budget + 1))
+        fig = Figure(figsize=(10, 4))
+        FigureCanvasAgg(fig)
+        ax_sps, ax_ms = fig.subplots(1, 2)
+        ax_sps.plot(grid, [self.sps(b) for b in grid], label="lookup")
+        ax_sps.plot(self.budgets, [1.0 / s for s in self.raw_seconds], "o", ms=3, label="measured")
+        ax_sps.set(xlabel="B (tokens verified per step)", ylabel="steps per second", title="SPS(B)")
+        ax_ms.plot(grid, [1e3 * self.seconds_per_step(b) for b in grid], label="lookup")
+        ax_ms.plot(self.budgets, [1e3 * s for s in self.raw_seconds], "o", ms=3, label="measured")
+        ax_ms.set(xlabel="B (tokens verified per step)", ylabel="ms per step", title="time per step")
+        for ax in (ax_sps, ax_ms):
+            ax.grid(alpha=0.3)
+            ax.legend()
+        if title or self.key is not None:
+            fig.suptitle(title or f"{self.key.model} / {self.key.drafter} / {self.key.hardware}", fontsize=9)
+        fig.tight_layout()
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(str(path), dpi=110)
+
+
+def profile_points(
+    measure: Callable[[int], float],
+    budgets: Sequence[int],
+    key: CostKey | None = None,
+    monotone: bool = False,
+    progress: bool = True,
+) -> CostTable:
+    """Measure seconds per step at each budget with `measure(B)` and build a table.
+
+    `measure` runs (warm-up and repeats are its business) one engine step that
+    verifies B tokens in total and returns its time in seconds.
+    """
+    from tqdm.auto import tqdm
+
+    if not budgets:
+        raise ValueError("profile_points needs at least one budget")
+    points: dict[int, float] = {}
+    for b in tqdm(list(budgets), desc="profiling SPS(B)", unit="budget", disable=not progress):
+        seconds = float(measure(int(b)))
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"measure({b}) returned {seconds}; it must return seconds per step (> 0)")
+        points[int(b)] = seconds
+    return CostTable(points, key=key, monotone=monotone)

@@ -1,0 +1,249 @@
+"""Hardware-aware prefix schedulers (paper section 3.2.2, Algorithm 1; section 5.2).
+
+All three share one picture. Every drafted position j of request r is a
+candidate (r, j) worth a_{r,j} = prod_{i<=j} c_{r,i} expected accepted tokens.
+Sort the candidates with a > 0 by a, descending; admitting the first n of
+them gives the most expected accepts any n draft tokens can give, so the
+throughput objective Theta = tau * SPS(B) (tau = R + sum of admitted a, B = R
++ n) only has to be searched along this one *admission path*.
+
+Ties are broken by position j, then by request index r. Because a_{r,j+1} =
+a_{r,j} * c_{r,j+1} <= a_{r,j} (exactly, in floating point), (r, j) always
+precedes (r, j+1), so every prefix of the path is a set of per-request
+prefixes, and the rank of (r, j) on the path never depends on a_{r,j+1} or
+later values. Losslessness rests on that.
+
+Why order matters for losslessness: with a Markov confidence head, c_{r,j+1}
+is computed from the sampled draft token x_{r,j}. The event "x_{r,j} is
+verified" (l_r >= j) must be decided without looking at x_{r,j}, i.e. from
+a_{r,1..j} and other requests only (Appendix A shows the output distribution
+shifts otherwise).
+
+Requests without confidences verify all their drafted tokens (FixedLength
+fallback): those tokens are counted in B, and in tau only as the one token
+every request commits.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from dspark.schedule.base import ScheduleOutcome, ScheduleRequest, survival
+from dspark.schedule.cost import CostTable
+
+Candidate = tuple[int, int, float]  # (request index r, position j >= 1, survival a_{r,j})
+
+
+def ranked_candidates(survivals: Sequence[Sequence[float]]) -> list[Candidate]:
+    """The admission path: (r, j, a_{r,j}) for every a > 0, by a descending,
+    ties by position j then request index r (so (r, j) precedes (r, j+1))."""
+    cands = [(r, j, a) for r, surv in enumerate(survivals) for j, a in enumerate(surv, start=1) if a > 0.0]
+    cands.sort(key=lambda c: (-c[2], c[1], c[0]))
+    return cands
+
+
+def greedy_walk(cands: Sequence[Candidate], cost: CostTable, base_tokens: int, base_accepts: float, early_stop: bool) -> int:
+    """Walk the admission path; return how many leading candidates to admit.
+
+    Algorithm 1, lines 5-15: B and tau start at the base (R tokens, R
+    accepts), Theta_best = tau * SPS(B). Each candidate adds 1 to B and a to
+    tau; a strictly better Theta becomes the best. With `early_stop` the walk
+    breaks at the first candidate with Theta <= Theta_best, so the best is
+    always the last admitted one; without it the argmax over the whole path
+    is returned (first one on ties).
+    """
+    budget, tau = base_tokens, float(base_accepts)
+    best_theta, best_n = tau * cost.sps(budget), 0
+    for n, (_, _, a) in enumerate(cands, start=1):
+        budget += 1
+        tau += a
+        theta = tau * cost.sps(budget)
+        if theta > best_theta:
+            best_theta, best_n = theta, n
+        elif early_stop:
+            break
+    return best_n
+
+
+@dataclass
+class _Batch:
+    """Requests split into scheduled ones (with confidences) and pinned ones (without)."""
+
+    survivals: list[list[float]]  # a_{r,1..num_drafted}; empty for pinned requests
+    pinned: list[int | None]  # verify length of requests without confidences, else None
+
+    @classmethod
+    def of(cls, requests: Sequence[ScheduleRequest]) -> "_Batch":
+        survivals = [survival(q) if q.confidences is not None else [] for q in requests]
+        pinned = [q.num_drafted if q.confidences is None else None for q in requests]
+        return cls(survivals, pinned)
+
+    @property
+    def base_tokens(self) -> int:
+        """B before any candidate: one token per request plus pinned draft tokens."""
+        return len(self.pinned) + sum(p for p in self.pinned if p is not None)
+
+    def lengths(self, admitted: Sequence[Candidate]) -> list[int]:
+        lengths = [p if p is not None else 0 for p in self.pinned]
+        for r, j, _ in admitted:
+            assert lengths[r] == j - 1, "admission path broke prefix order"
+            lengths[r] = j
+        return lengths
+
+
+class PrefixScheduler:
+    """Algorithm 1 of the paper, exactly: the causal, lossless prefix scheduler.
+
+    Sort candidates (r, j) with a_{r,j} > 0 by a descending (ties: j, then r);
+    start from B = R, tau = R, Theta_best = R * SPS(R); admit candidates in
+    order while Theta = tau * SPS(B) strictly improves, and stop at the first
+    candidate where Theta <= Theta_best.
+
+    Why it is lossless: the walk admits (r, j) only if every candidate before
+    it on the path was admitted and Theta improved at (r, j). The candidates
+    before (r, j) are those ranked above it: other requests' candidates
+    (independent of request r's draft tokens) and r's own earlier positions
+    (a_{r,1..j-1}); r's later positions always rank after (r, j). So the event
+    l_r >= j is a function of a_{r,1..j} and other requests, never of
+    a_{r,j+1} = a_{r,j} * c_{r,j+1}, the first quantity that sees x_{r,j}.
+    Early stopping is what makes this true: a walk that looked further
+    (RetrospectivePrefixScheduler) would let a_{r,j+1} decide l_r >= j.
+
+    Optimality: the result maximises Theta over all (l_1..l_R) iff Theta is
+    unimodal along the path (e.g. time per step affine in B).
+
+    Requests without confidences verify all drafted tokens (FixedLength fallback).
+    """
+
+    name = "dspark"
+
+    def __init__(self, cost: CostTable) -> None:
+        self.cost = cost
+
+    def decide(self, requests: list[ScheduleRequest]) -> list[int]:
+        if not requests:
+            return []
+        batch = _Batch.of(requests)
+        cands = ranked_candidates(batch.survivals)
+        n = greedy_walk(cands, self.cost, batch.base_tokens, len(requests), early_stop=True)
+        return batch.lengths(cands[:n])
+
+    def commit(self, outcomes: list[ScheduleOutcome]) -> None:
+        """Stateless: nothing to learn from outcomes."""
+
+
+class RetrospectivePrefixScheduler(PrefixScheduler):
+    """NEGATIVE CONTROL, NOT FOR SERVING: Algorithm 1 without the early stop.
+
+    It takes the argmax of Theta over the whole admission path, so whether
+    x_{r,j} is verified can depend on a_{r,j+1}, which a Markov confidence
+    head computes from x_{r,j} itself: selection bias, not lossless (paper
+    Appendix A). It exists so the losslessness tests can show they catch it.
+    """
+
+    name = "retrospective"
+
+    def decide(self, requests: list[ScheduleRequest]) -> list[int]:
+        if not requests:
+            return []
+        batch = _Batch.of(requests)
+        cands = ranked_candidates(batch.survivals)
+        n = greedy_walk(cands, self.cost, batch.base_tokens, len(requests), early_stop=False)
+        return batch.lengths(cands[:n])
+
+
+class AsyncPrefixScheduler:
+    """The asynchronous prefix scheduler of paper section 5.2.
+
+    Step t admits the top K candidates of its *current* admission path
+    (current confidences, same ranking and tie rule as Algorithm 1). The
+    capacity K comes from an unconstrained global search (argmax of Theta over
+    the whole path, no early stop, so jagged SPS cliffs cannot trap it) over
+    the confidences the requests had two decide() calls earlier, which a
+    zero-overhead-scheduling engine knows before step t's drafts exist.
+
+    Why it is lossless: K is a function of step t-2 information only, so it
+    is independent of the current draft tokens; and (r, j) is verified iff
+    its rank on the current path is < K, where its rank depends only on
+    a_{r,1..j} and other requests (r's later positions rank after it). So
+    l_r >= j never depends on x_{r,j} or later tokens.
+
+    Batch changes: the search uses the current batch's load (B starts at the
+    current R plus pinned tokens) and, for each current request, the survival
+    curve it had two calls ago, truncated to its current num_drafted. A
+    request that had no snapshot then (it joined since) stands in with the
+    mean historical survival curve; requests that left are dropped. K is then
+    clipped to the number of current candidates. With no usable history (the
+    first two calls, or no confidences two calls ago) the causal
+    PrefixScheduler decides instead; it is lossless too.
+
+    Requests without confidences verify all drafted tokens (FixedLength fallback).
+    """
+
+    name = "dspark-async"
+
+    def __init__(self, cost: CostTable, lag: int = 2) -> None:
+        if lag < 1:
+            raise ValueError(f"lag must be >= 1, got {lag}")
+        self.cost = cost
+        self.lag = lag
+        self._history: deque[list[ScheduleRequest]] = deque(maxlen=lag)
+        self._causal = PrefixScheduler(cost)
+        self.last_capacity: int | None = None  # K of the last decide (None: causal fallback)
+
+    def reset(self) -> None:
+        """Forget the history (e.g. after the engine drains)."""
+        self._history.clear()
+        self.last_capacity = None
+
+    def decide(self, requests: list[ScheduleRequest]) -> list[int]:
+        past = self._history[0] if len(self._history) == self.lag else None
+        self._history.append(list(requests))
+        if not requests:
+            self.last_capacity = None
+            return []
+        capacity = self.capacity(past, requests) if past is not None else None
+        self.last_capacity = capacity
+        if capacity is None:
+            return self._causal.decide(requests)
+        batch = _Batch.of(requests)
+        cands = ranked_candidates(batch.survivals)
+        return batch.lengths(cands[:capacity])
+
+    def capacity(self, past: Sequence[ScheduleRequest], requests: Sequence[ScheduleRequest]) -> int | None:
+        """K for `requests` from the snapshot `past`; None when `past` has no confidences.
+
+        Reads only `past` and the current requests' ids, num_drafted and
+        whether they have confidences, never the current confidences.
+        """
+        by_id: dict[Hashable, list[float]] = {q.request_id: survival(q) for q in past if q.confidences is not None}
+        if not by_id:
+            return None
+        proxy = _mean_curve(list(by_id.values()))
+        pinned_tokens = 0
+        historical: list[list[float]] = []
+        for q in requests:
+            if q.confidences is None:
+                pinned_tokens += q.num_drafted
+                historical.append([])
+            else:
+                historical.append(by_id.get(q.request_id, proxy)[: q.num_drafted])
+        cands = ranked_candidates(historical)
+        return greedy_walk(cands, self.cost, len(requests) + pinned_tokens, len(requests), early_stop=False)
+
+    def commit(self, outcomes: list[ScheduleOutcome]) -> None:
+        """History is recorded in decide (it must not wait for verification)."""
+
+
+def _mean_curve(curves: Sequence[Sequence[float]]) -> list[float]:
+    """Position-wise mean of survival curves over the curves that reach each
+    position, kept non-increasing (a survival curve never rises)."""
+    longest = max((len(c) for c in curves), default=0)
+    out: list[float] = []
+    for j in range(longest):
+        values = [c[j] for c in curves if len(c) > j]
+        mean = sum(values) / len(values)
+        out.append(min(mean, out[-1]) if out else mean)
+    return out
