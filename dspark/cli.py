@@ -1,0 +1,138 @@
+"""`dspark` command line: parse arguments, build config, call the library.
+
+User errors print one line (`dspark: error: ...`) and exit with status 2;
+nothing here holds logic of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dspark.errors import UserError
+
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="Hugging Face Llama-family model folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--home", default=None, help="dspark home folder for caches (default: $DSPARK_HOME or ~/.cache/dspark)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target weight dtype")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt with speculative decoding")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--drafter", default="default", help="none | ngram | default | PATH to a drafter folder")
+    g.add_argument("--block-size", type=int, default=None, help="draft tokens per round (model-free drafters)")
+    g.add_argument("--policy", default="fixed", help="verify-length policy: none, fixed, threshold, dspark, dspark-async")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_target_args(g)
+    _add_sampling_args(g)
+
+    b = sub.add_parser("bench", help="benchmarks that print numbers")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bd = bsub.add_parser("decode", help="lean runtime vs transformers step time, greedy tokens/s, ngram speedup")
+    bd.add_argument("--repeats", type=int, default=10)
+    bd.add_argument("--max-new-tokens", type=int, default=128)
+    _add_target_args(bd)
+    return parser
+
+
+def _sampling(args) -> "SamplingParams":
+    from dspark.types import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+    )
+
+
+def _dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def cmd_generate(args) -> int:
+    from dspark.draft.registry import load_drafter
+    from dspark.engine.engine import Engine, EngineConfig
+    from dspark.engine.generate import generate
+    from dspark.models import load_target
+    from dspark.schedule import make_policy
+
+    params = _sampling(args)
+    if not args.prompt.strip():
+        raise UserError("the prompt is empty: pass some text with --prompt")
+    if args.block_size is not None and not (1 <= args.block_size <= 64):
+        raise UserError(f"--block-size must be in 1..64, got {args.block_size}")
+    loaded = load_target(args.target, home=args.home, dtype=_dtype(args.dtype))
+    drafter = load_drafter(args.drafter, loaded.model, block_size=args.block_size, embedded=args.target is None)
+    prompt_ids = encode_prompt(loaded.tokenizer, args.prompt, chat=args.chat)
+    policy = make_policy(args.policy, None, k=drafter.block_size)
+    engine = Engine(loaded.model, drafter, policy, EngineConfig(max_running=1), tokenizer=loaded.tokenizer)
+    result = generate(engine, prompt_ids, params)
+    if args.json:
+        print(json.dumps(result.as_dict()))
+    else:
+        print(result.text)
+        s = result.stats
+        print(
+            f"[{result.num_generated} tokens in {result.seconds:.2f} s, {result.tokens_per_second:.1f} tok/s, "
+            f"tau {s.mean_accepted_length:.2f} over {s.rounds} rounds, drafter {drafter.name}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def encode_prompt(tokenizer, text: str, *, chat: bool) -> list[int]:
+    """Token ids of a prompt, optionally wrapped in the chat template."""
+    if chat:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+
+def cmd_bench(args) -> int:
+    if args.bench == "decode":
+        from dspark.bench.decode_cli import run
+
+        run(args)
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except UserError as err:
+        print(f"dspark: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dspark: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
