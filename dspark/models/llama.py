@@ -1,0 +1,302 @@
+"""Lean Llama-family target model for speculative serving (Llama, SmolLM2, Qwen3).
+
+One forward runs a *ragged batch*: R requests' new tokens flattened into N rows
+(see `dspark.types.RaggedBatch`). Each request continues its own KV-cache slot.
+Attention for all requests runs as one padded scaled-dot-product attention
+over views of the cache (no copy of cached keys when the batch's slots are a
+compact range), with an additive mask that hides other positions.
+
+Parameter names follow Hugging Face (`model.layers.0.self_attn.q_proj.weight`,
+...), so HF state dicts load directly. Inside, the q/k/v projections and the
+gate/up projections are fused into single matrices (fewer, larger matmuls);
+state-dict hooks split and join them so the fusion is invisible outside.
+
+Shape symbols as in `dspark.types`; also H query heads, Hkv key/value heads,
+hd head dim, S the padded span of cache slots a forward touches, Q the padded
+query length (query heads of one kv head times the longest query), L the
+longest attended length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.models.config import TargetConfig
+from dspark.models.kv_cache import KVCache
+from dspark.models.layers import RMSNorm, linear, rope_cos_sin, apply_rope
+from dspark.types import RaggedBatch, TargetOutput
+
+
+@dataclass
+class AttentionPlan:
+    """Everything the layers of one forward share about the ragged batch."""
+
+    write_index: torch.Tensor  # [N * Hkv] flat cache positions of the new keys
+    cos: torch.Tensor  # [N, hd] rotary cos at each token's position
+    sin: torch.Tensor  # [N, hd]
+    span_start: int  # first cache slot of the span S attention reads
+    span: int  # S: slots in the span (>= R)
+    max_query: int  # longest query length among the requests
+    attended: int  # L: cached + new length of the longest request
+    mask: torch.Tensor | None  # [S, 1, Q, L] additive mask (0 / -inf), None when not needed
+    scatter_rows: torch.Tensor | None  # [N] row in the padded [S * max_query] layout; None when dense
+    gather_slots: torch.Tensor | None  # [S] cache slots to gather when they are not a compact range
+
+
+def _fuse_rows(state: dict, prefix: str, names: tuple[str, ...], fused: str) -> None:
+    """Load hook: replace HF per-projection tensors with one row-concatenated tensor."""
+    for suffix in ("weight", "bias"):
+        keys = [f"{prefix}{n}.{suffix}" for n in names]
+        if all(k in state for k in keys):
+            state[f"{prefix}{fused}.{suffix}"] = torch.cat([state.pop(k) for k in keys], dim=0)
+
+
+def _split_rows(state: dict, prefix: str, names: tuple[str, ...], sizes: list[int], fused: str) -> None:
+    """State-dict hook: replace a fused tensor with HF per-projection tensors."""
+    for suffix in ("weight", "bias"):
+        key = f"{prefix}{fused}.{suffix}"
+        if key in state:
+            for n, part in zip(names, state.pop(key).split(sizes, dim=0)):
+                state[f"{prefix}{n}.{suffix}"] = part.clone()
+
+
+class FusedLinear(nn.Module):
+    """Row-concatenation of several HF linear layers; `weight` is [sum(out), in]."""
+
+    def __init__(self, in_features: int, out_features: list[int], names: tuple[str, ...], bias: bool) -> None:
+        super().__init__()
+        self.sizes, self.names = list(out_features), names
+        self.weight = nn.Parameter(torch.empty(sum(out_features), in_features))
+        self.bias = nn.Parameter(torch.zeros(sum(out_features))) if bias else None
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with rotary positions (and Qwen3's q/k norm)."""
+
+    _names = ("q_proj", "k_proj", "v_proj")
+
+    def __init__(self, config: TargetConfig) -> None:
+        super().__init__()
+        c = config
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
+        self.qkv_proj = FusedLinear(c.hidden_size, sizes, self._names, c.attention_bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.register_load_state_dict_pre_hook(self._load_hook)
+        self.register_state_dict_post_hook(self._save_hook)
+
+    @staticmethod
+    def _load_hook(module, state, prefix, *args) -> None:
+        _fuse_rows(state, prefix, Attention._names, "qkv_proj")
+
+    @staticmethod
+    def _save_hook(module, state, prefix, *args) -> None:
+        _split_rows(state, prefix, Attention._names, module.qkv_proj.sizes, "qkv_proj")
+
+    def forward(self, x: torch.Tensor, plan: AttentionPlan, cache: KVCache, layer: int) -> torch.Tensor:
+        """x [N, D] -> attention output [N, D]; writes the new keys/values into `cache`."""
+        n, h, hkv, hd = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias).view(n, h + 2 * hkv, hd)
+        qk = qkv[:, : h + hkv]
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
+        qk = apply_rope(qk, plan.cos, plan.sin)  # [N, H + Hkv, hd]
+        cache.write(layer, plan.write_index, qk[:, h:].reshape(-1, hd), qkv[:, h + hkv :].reshape(-1, hd))
+        out = _ragged_attention(qk[:, :h], cache, layer, plan, hkv)  # [N, H * hd]
+        return linear(out, self.o_proj.weight, self.o_proj.bias)
+
+
+def _ragged_attention(q: torch.Tensor, cache: KVCache, layer: int, plan: AttentionPlan, hkv: int) -> torch.Tensor:
+    """q [N, H, hd] (rotated) -> [N, H * hd], attending to each request's cache (already holding
+    the new keys). Queries are laid out [S, Hkv, Q, hd] with Q = (H / Hkv) * max_query rows per kv
+    head, so no key/value head is repeated."""
+    n, h, hd = q.shape
+    s, mq, group = plan.span, plan.max_query, h // hkv
+    if plan.gather_slots is None:
+        keys = cache.keys[layer][plan.span_start : plan.span_start + s, :, : plan.attended]
+        values = cache.values[layer][plan.span_start : plan.span_start + s, :, : plan.attended]
+    else:
+        keys = cache.keys[layer].index_select(0, plan.gather_slots)[:, :, : plan.attended]
+        values = cache.values[layer].index_select(0, plan.gather_slots)[:, :, : plan.attended]
+    if plan.scatter_rows is None:
+        padded = q.view(s, mq, hkv, group, hd)
+    else:
+        padded = q.new_zeros(s * mq, h, hd).index_copy_(0, plan.scatter_rows, q).view(s, mq, hkv, group, hd)
+    queries = padded.permute(0, 2, 3, 1, 4).reshape(s, hkv, group * mq, hd)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask)  # [S, Hkv, Q, hd]
+    out = out.view(s, hkv, group, mq, hd).permute(0, 3, 1, 2, 4).reshape(s * mq, h * hd)
+    return out if plan.scatter_rows is None else out.index_select(0, plan.scatter_rows)
+
+
+class MLP(nn.Module):
+    """SwiGLU with the gate and up projections fused: down(silu(gate(x)) * up(x))."""
+
+    _names = ("gate_proj", "up_proj")
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.gate_up_proj = FusedLinear(hidden, [inner, inner], self._names, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.register_load_state_dict_pre_hook(self._load_hook)
+        self.register_state_dict_post_hook(self._save_hook)
+
+    @staticmethod
+    def _load_hook(module, state, prefix, *args) -> None:
+        _fuse_rows(state, prefix, MLP._names, "gate_up_proj")
+
+    @staticmethod
+    def _save_hook(module, state, prefix, *args) -> None:
+        _split_rows(state, prefix, MLP._names, module.gate_up_proj.sizes, "gate_up_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = linear(x, self.gate_up_proj.weight)
+        gate, up = gate_up[..., : self.inner], gate_up[..., self.inner :]
+        return linear(F.silu(gate) * up, self.down_proj.weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TargetConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, plan: AttentionPlan, cache: KVCache, layer: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), plan, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """HF's `model.` prefix: embeddings, decoder layers, final norm."""
+
+    def __init__(self, config: TargetConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class TargetModel(nn.Module):
+    """The target LLM: one ragged forward per speculative round."""
+
+    def __init__(self, config: TargetConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_load_state_dict_pre_hook(self._drop_tied_head)
+
+    def _drop_tied_head(self, module, state, prefix, *args) -> None:
+        if self.config.tie_word_embeddings:
+            state.pop(f"{prefix}lm_head.weight", None)  # tied checkpoints may store a copy
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[V, D]: the LM head (the token embedding matrix when tied)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def compute_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """LM head: last_hidden [..., D] (final-normed) -> logits [..., V] float32."""
+        return linear(last_hidden.to(self.dtype), self.lm_head_weight).float()
+
+    def new_cache(self, max_slots: int, max_seq_len: int) -> KVCache:
+        """A KV cache shaped for this model, in the model's dtype."""
+        return KVCache(self.config, max_slots, max_seq_len, dtype=self.dtype)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        batch: RaggedBatch,
+        cache: KVCache,
+        logits_rows: torch.Tensor | None = None,
+        tap_layers: tuple[int, ...] = (),
+        want_last_hidden: bool = False,
+    ) -> TargetOutput:
+        """Run R requests' new tokens; append their keys/values to `cache`.
+
+        logits_rows: [M] int64 indices into the N rows whose logits to return (None: all rows).
+        tap_layers: decoder-layer indices whose output hidden states to return ([N, T, D]).
+        """
+        plan = make_plan(batch, cache, self.config, self.dtype)
+        hidden = self.model.embed_tokens(batch.token_ids)  # [N, D]
+        taps = []
+        for i, layer in enumerate(self.model.layers):
+            hidden = layer(hidden, plan, cache, i)
+            if i in tap_layers:
+                taps.append(hidden)
+        cache.commit(batch.slots, batch.query_lens)
+        tapped = None
+        if tap_layers:
+            by_layer = dict(zip([i for i in range(len(self.model.layers)) if i in tap_layers], taps))
+            tapped = torch.stack([by_layer[i] for i in tap_layers], dim=1)  # [N, T, D]
+        rows = hidden if logits_rows is None else hidden.index_select(0, logits_rows)
+        logits = self.compute_logits(self.model.norm(rows))
+        last = self.model.norm(hidden) if want_last_hidden else None
+        return TargetOutput(logits=logits, tapped_hidden=tapped, last_hidden=last)
+
+
+def make_plan(batch: RaggedBatch, cache: KVCache, config: TargetConfig, dtype: torch.dtype) -> AttentionPlan:
+    """Positions, cache write indices and the attention layout of one ragged forward."""
+    slots, qlens = batch.slots, batch.query_lens
+    for i in range(len(slots)):
+        if not 0 <= slots[i] < cache.max_slots:
+            raise ValueError(f"cache slot {slots[i]} out of range")
+    starts = cache.reserve(slots, qlens)
+    positions = torch.cat([torch.arange(s, s + q) for s, q in zip(starts, qlens)])
+    cos, sin = rope_cos_sin(positions, config.head_dim, config.rope_theta, dtype)
+    write_index = cache.flat_index(slots, starts, qlens)
+    lo, hi = min(slots), max(slots) + 1
+    compact = hi - lo <= 2 * len(slots)
+    span_slots = list(range(lo, hi)) if compact else sorted(slots)
+    row_of = {slot: b for b, slot in enumerate(span_slots)}
+    max_query = max(qlens)
+    attended = max(s + q for s, q in zip(starts, qlens))
+    dense = span_slots == slots and all(q == max_query for q in qlens)
+    scatter = None
+    if not dense:
+        scatter = torch.cat([torch.arange(q) + row_of[slot] * max_query for slot, q in zip(slots, qlens)])
+    group = config.num_attention_heads // config.num_key_value_heads
+    mask = _make_mask(span_slots, row_of, slots, starts, max_query, attended, group, dtype)
+    return AttentionPlan(
+        write_index=write_index, cos=cos, sin=sin, span_start=lo if compact else 0, span=len(span_slots),
+        max_query=max_query, attended=attended, mask=mask, scatter_rows=scatter,
+        gather_slots=None if compact else torch.tensor(span_slots),
+    )
+
+
+def _make_mask(
+    span_slots: list[int], row_of: dict[int, int], slots: list[int], starts: list[int],
+    max_query: int, attended: int, group: int, dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """Additive mask [S, 1, group * max_query, L]: query row (g, i) of a request that had
+    `start` cached tokens sees keys j <= start + i. Slots in the span that are not in the
+    batch see everything (their rows are discarded), which keeps softmax finite."""
+    limit = torch.full((len(span_slots),), attended - 1, dtype=torch.long)
+    for slot, start in zip(slots, starts):
+        limit[row_of[slot]] = start
+    if max_query == 1 and len(span_slots) == len(slots) and bool((limit == attended - 1).all()):
+        return None  # one new token per request, all with the same length: nothing to hide
+    query_pos = torch.arange(max_query).repeat(group)  # [Q], row (g, i) -> i
+    key_pos = torch.arange(attended)
+    visible = key_pos[None, None, :] <= (limit[:, None, None] + query_pos[None, :, None])  # [S, Q, L]
+    in_batch = torch.zeros(len(span_slots), dtype=torch.bool)
+    in_batch[[row_of[s] for s in slots]] = True
+    visible |= ~in_batch[:, None, None]
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+    return mask[:, None]
