@@ -191,7 +191,7 @@ class AsyncPrefixScheduler:
         self.lag = lag
         self._history: deque[list[ScheduleRequest]] = deque(maxlen=lag)
         self._causal = PrefixScheduler(cost)
-        self.last_capacity: int | None = None  # K of the last decide (None: causal fallback)
+        self.last_capacity: int | None = None  # K of the last decide before clipping (None: causal fallback)
 
     def reset(self) -> None:
         """Forget the history (e.g. after the engine drains)."""
