@@ -1,0 +1,252 @@
+"""The offline acceptance-length harness (paper section 4.1).
+
+Each prompt runs alone (batch 1) through the engine's draft -> schedule ->
+verify -> commit loop, with the lossless verifier and a fixed verify length
+equal to the drafter's block (the paper's offline protocol: no confidence
+scheduling, the whole block is verified). Multi-turn prompts (mt-bench) feed
+turn t+1 after the model's own answer to turn t, through the chat template.
+
+Order of work: benchmark files are validated first, then the target loads,
+then every drafter loads (a drafter trained for another target fails here),
+and only then does generation start.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dspark.draft.base import Drafter
+from dspark.engine.engine import Engine, EngineConfig
+from dspark.engine.generate import GenerationResult, generate
+from dspark.errors import UserError
+from dspark.eval.benchmarks import BENCHMARKS, Prompt, load_suites
+from dspark.eval.records import BenchResult, DrafterRun, EvalRun, EvalSettings, RoundRecord, environment
+from dspark.schedule import FixedLength, ScheduleOutcome, ScheduleRequest
+from dspark.types import SamplingParams, SpecStats
+
+DTYPES = ("float32", "bfloat16")
+SEED_STRIDE = 7919  # prompt i, turn t samples with seed + SEED_STRIDE * i + t
+CONTEXT_MARGIN = 64  # tokens of chat-template overhead allowed per turn
+
+
+class RecordingPolicy:
+    """Verify the whole drafted block (FixedLength(G)) and, when asked, keep each
+    round's confidences and outcome for the threshold sweep and the
+    reliability diagrams."""
+
+    name = "fixed"
+
+    def __init__(self, block_size: int, keep_rounds: bool) -> None:
+        self.inner = FixedLength(block_size)
+        self.keep_rounds = keep_rounds
+        self.rounds: list[RoundRecord] = []
+        self._pending: dict[object, list[float]] = {}
+
+    def decide(self, requests: list[ScheduleRequest]) -> list[int]:
+        if self.keep_rounds:
+            for q in requests:
+                conf = q.confidences
+                self._pending[q.request_id] = [] if conf is None else [float(c) for c in conf[: q.num_drafted]]
+        return self.inner.decide(requests)
+
+    def commit(self, outcomes: list[ScheduleOutcome]) -> None:
+        for o in outcomes:
+            conf = self._pending.pop(o.request_id, None)
+            if self.keep_rounds:
+                self.rounds.append(RoundRecord(o.verify_len, o.num_accepted, conf or []))
+
+    def take_rounds(self) -> list[RoundRecord]:
+        rounds, self.rounds = self.rounds, []
+        return rounds
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation in the model's chat template, ready for the
+    assistant's next answer."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def run_conversation(
+    engine: Engine, prompt: Prompt, params: SamplingParams, index: int
+) -> list[GenerationResult]:
+    """Generate an answer to every user turn of `prompt`, each turn seeing the
+    model's own earlier answers."""
+    messages: list[dict] = []
+    results = []
+    for turn, text in enumerate(prompt.turns):
+        messages.append({"role": "user", "content": text})
+        ids = chat_ids(engine.tokenizer, messages)
+        seed = params.seed + SEED_STRIDE * index + turn
+        result = generate(engine, ids, replace(params, seed=seed))
+        messages.append({"role": "assistant", "content": result.text})
+        results.append(result)
+    return results
+
+
+def context_needed(tokenizer, suites: dict[str, list[Prompt]], max_new_tokens: int) -> int:
+    """KV-cache length that fits every conversation: its turns, every answer and
+    the template overhead of each turn."""
+    need = 1
+    for prompts in suites.values():
+        for p in prompts:
+            turns = sum(len(chat_ids(tokenizer, [{"role": "user", "content": t}])) for t in p.turns)
+            need = max(need, turns + len(p.turns) * (max_new_tokens + CONTEXT_MARGIN))
+    return need
+
+
+def evaluate_drafter(
+    target, tokenizer, label: str, drafter: Drafter, suites: dict[str, list[Prompt]],
+    params: SamplingParams, max_seq_len: int, progress: bool = True,
+) -> dict[str, BenchResult]:
+    """Run one drafter over every benchmark's prompts; benchmark -> result."""
+    policy = RecordingPolicy(drafter.block_size, keep_rounds=drafter.has_confidence)
+    engine = Engine(target, drafter, policy, EngineConfig(max_running=1, max_seq_len=max_seq_len),
+                    tokenizer=tokenizer)
+    _warm_up(engine, tokenizer, policy)
+    total = sum(len(p.turns) for prompts in suites.values() for p in prompts)
+    bar = tqdm(total=total, desc=f"eval {label}", unit="answer", disable=not progress)
+    out = {}
+    for name, prompts in suites.items():
+        bar.set_postfix_str(name)
+        stats = SpecStats(block_size=drafter.block_size)
+        tokens, seconds, generations = 0, 0.0, 0
+        for index, prompt in enumerate(prompts):
+            for result in run_conversation(engine, prompt, params, index):
+                stats.merge(result.stats)
+                tokens += result.num_generated
+                seconds += result.seconds
+                generations += 1
+                bar.update(1)
+        out[name] = BenchResult(name, BENCHMARKS[name], len(prompts), generations, tokens, seconds, stats,
+                                policy.take_rounds())
+    bar.close()
+    return out
+
+
+def _warm_up(engine: Engine, tokenizer, policy: RecordingPolicy) -> None:
+    """One short untimed generation, so that lazy initialisation is not billed
+    to the first benchmark's tokens/s."""
+    ids = chat_ids(tokenizer, [{"role": "user", "content": "Hello"}])
+    generate(engine, ids, SamplingParams(temperature=0.0, max_new_tokens=4, seed=0))
+    policy.take_rounds()
+
+
+def evaluate(
+    target, tokenizer, drafters: list[tuple[str, str, Drafter]], suites: dict[str, list[Prompt]],
+    settings: EvalSettings, progress: bool = True,
+) -> list[DrafterRun]:
+    """Every (label, spec, drafter) over every benchmark, with the same prompts and seeds."""
+    params = SamplingParams(temperature=settings.temperature, max_new_tokens=settings.max_new_tokens,
+                            seed=settings.seed)
+    limit = target.config.max_position_embeddings
+    need = context_needed(tokenizer, suites, settings.max_new_tokens)
+    runs = []
+    for label, spec, drafter in drafters:
+        max_seq_len = min(limit, need + drafter.block_size + 1)
+        benches = evaluate_drafter(target, tokenizer, label, drafter, suites, params, max_seq_len, progress)
+        temps = getattr(getattr(drafter, "config", None), "calibration_temperatures", None)
+        runs.append(DrafterRun(
+            label=label, spec=spec, kind=drafter.name, block_size=drafter.block_size,
+            has_confidence=bool(drafter.has_confidence),
+            calibration_temperatures=None if temps is None else [float(t) for t in temps], benches=benches,
+        ))
+    return runs
+
+
+def drafter_label(spec: str) -> str:
+    return spec if spec in ("none", "ngram", "default") else Path(spec).expanduser().name
+
+
+def parse_drafters(drafters: str | Sequence[str], baseline: bool) -> list[str]:
+    """Drafter specs in order; `none` first when the baseline is asked for and absent."""
+    specs = [s.strip() for s in (drafters.split(",") if isinstance(drafters, str) else drafters)]
+    specs = [s for s in specs if s]
+    if not specs:
+        raise UserError("no drafter given: pass --drafter none, ngram, default or PATH[,PATH...]")
+    labels = [drafter_label(s) for s in specs]
+    dupes = sorted({x for x in labels if labels.count(x) > 1})
+    if dupes:
+        raise UserError(f"drafter name(s) {', '.join(dupes)} given twice; give each drafter once")
+    if baseline and "none" not in specs:
+        specs.insert(0, "none")
+    return specs
+
+
+def eval_command(specs: list[str], settings: EvalSettings, target: str | None) -> str:
+    """The `dspark eval` command line that reproduces a run (specs after
+    `parse_drafters`, so `none` is listed when it ran)."""
+    bench = "all" if list(settings.benchmarks) == list(BENCHMARKS) else ",".join(settings.benchmarks)
+    parts = ["dspark", "eval", "--drafter", ",".join(specs), "--bench", bench]
+    if "none" not in specs:
+        parts.append("--no-baseline")
+    if settings.limit is not None:
+        parts += ["--limit", str(settings.limit)]
+    parts += ["--temperature", f"{settings.temperature:g}"]
+    if settings.block_size is not None:
+        parts += ["--block-size", str(settings.block_size)]
+    parts += ["--max-new-tokens", str(settings.max_new_tokens), "--seed", str(settings.seed)]
+    if target is not None:
+        parts += ["--target", target]
+    if settings.dtype != "float32":
+        parts += ["--dtype", settings.dtype]
+    return shlex.join(parts)
+
+
+def _check_args(temperature: float, block_size: int | None, max_new_tokens: int, dtype: str) -> None:
+    SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)  # validates both
+    if not math.isfinite(temperature):
+        raise UserError("--temperature must be finite")
+    if block_size is not None and not (1 <= block_size <= 64):
+        raise UserError(f"--block-size must be in 1..64, got {block_size}")
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+
+
+def run_eval(
+    drafters: str | Sequence[str],
+    bench: str = "all",
+    *,
+    limit: int | None = None,
+    temperature: float = 1.0,
+    block_size: int | None = None,
+    max_new_tokens: int = 256,
+    seed: int = 0,
+    target: str | None = None,
+    home: str | None = None,
+    dtype: str = "float32",
+    baseline: bool = True,
+    results_dir: str | Path | None = "runs/eval",
+    progress: bool = True,
+) -> EvalRun:
+    """`dspark eval`: acceptance length (tau) of each drafter per benchmark,
+    domain and macro average, conditional acceptance per position, and tokens/s
+    against `none`. Saves the run as JSON under `results_dir` (None: not saved;
+    the path is in `run.saved_path`)."""
+    import torch
+
+    from dspark.draft.registry import load_drafter
+    from dspark.models import load_target
+
+    _check_args(temperature, block_size, max_new_tokens, dtype)
+    specs = parse_drafters(drafters, baseline)
+    suites = load_suites(bench, limit)  # every file validated before any model work
+    loaded = load_target(target, home=home, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
+    built = [(drafter_label(s), s, load_drafter(s, loaded.model, block_size=block_size, embedded=target is None))
+             for s in specs]  # a drafter for another target fails here, before generation
+    settings = EvalSettings(benchmarks=tuple(suites), limit=limit, temperature=temperature, block_size=block_size,
+                            max_new_tokens=max_new_tokens, seed=seed, target=loaded.name, dtype=dtype)
+    runs = evaluate(loaded.model, loaded.tokenizer, built, suites, settings, progress)
+    run = EvalRun(settings=settings, command=eval_command(specs, settings, target), drafters=runs,
+                  environment=environment())
+    if results_dir is not None:
+        run.saved_path = run.save(results_dir)
+    return run
