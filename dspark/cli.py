@@ -73,7 +73,7 @@ def cmd_generate(args) -> int:
     from dspark.engine.engine import Engine, EngineConfig
     from dspark.engine.generate import generate
     from dspark.models import load_target
-    from dspark.schedule import make_policy
+    from dspark.engine.policy import build_policy
 
     params = _sampling(args)
     if not args.prompt.strip():
@@ -83,7 +83,7 @@ def cmd_generate(args) -> int:
     loaded = load_target(args.target, home=args.home, dtype=_dtype(args.dtype))
     drafter = load_drafter(args.drafter, loaded.model, block_size=args.block_size, embedded=args.target is None)
     prompt_ids = encode_prompt(loaded.tokenizer, args.prompt, chat=args.chat)
-    policy = make_policy(args.policy, None, k=drafter.block_size)
+    policy = build_policy(args.policy, block_size=drafter.block_size)
     engine = Engine(loaded.model, drafter, policy, EngineConfig(max_running=1), tokenizer=loaded.tokenizer)
     result = generate(engine, prompt_ids, params)
     if args.json:

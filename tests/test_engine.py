@@ -14,7 +14,8 @@ from dspark.engine.engine import Engine, EngineConfig
 from dspark.engine.generate import generate
 from dspark.errors import UserError
 from dspark.models.tiny import tiny_target
-from dspark.schedule import CostTable, make_policy
+from dspark.engine.policy import build_policy
+from dspark.schedule import CostTable
 from dspark.types import SamplingParams
 from tests.drafters_for_tests import BigramDrafter
 
@@ -34,7 +35,7 @@ def _prompts(seed: int, count: int) -> list[list[int]]:
 
 def _engine(target, drafter, policy="fixed", **cfg) -> Engine:
     cost = CostTable({1: 0.010, 4: 0.011, 16: 0.016, 64: 0.040, 256: 0.150})
-    return Engine(target, drafter, make_policy(policy, cost, k=drafter.block_size, threshold=0.3), EngineConfig(**cfg))
+    return Engine(target, drafter, build_policy(policy, block_size=drafter.block_size, cost=cost, threshold=0.3), EngineConfig(**cfg))
 
 
 def _plain_greedy(target, prompt, params=GREEDY) -> list[int]:

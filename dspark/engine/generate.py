@@ -79,10 +79,10 @@ def generate_many(
     do not depend on batch composition.
     """
     from dspark.draft.ngram import NoDrafter
-    from dspark.schedule import make_policy
+    from dspark.engine.policy import build_policy
 
     drafter = drafter or NoDrafter()
-    policy = make_policy("fixed", None, k=drafter.block_size)
+    policy = build_policy("fixed", block_size=drafter.block_size)
     config = EngineConfig(max_running=max_batch, max_seq_len=max_seq_len)
     engine = Engine(target, drafter, policy, config)
     ids = []
