@@ -21,7 +21,6 @@ Shapes: B sequences, A anchors, G block size, V vocabulary.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -159,7 +158,8 @@ class AcceptanceStats:
         mean = lambda xs: [round(x / n, 5) if n else None for x, n in zip(xs, self.count)]  # noqa: E731
         return {
             "accept_per_position": mean(self.soft_accept),
-            "confidence_per_position": mean(self.confidence),
+            # sigmoid outputs are never exactly 0: all-zero sums mean "no confidence head"
+            "confidence_per_position": mean(self.confidence) if any(self.confidence) else None,
             "top1_per_position": mean(self.top1),
             "expected_accept_len": round(self.tau_sum / self.tau_blocks, 5) if self.tau_blocks else None,
             "blocks_full": self.tau_blocks,
@@ -170,6 +170,3 @@ def expected_acceptance_length(per_step_accept: torch.Tensor) -> torch.Tensor:
     """tau = 1 + sum_k prod_{i<=k} c_i for per_step_accept [..., G]; [...]."""
     return 1.0 + torch.cumprod(per_step_accept, dim=-1).sum(-1)
 
-
-def is_finite(x: torch.Tensor) -> bool:
-    return bool(torch.isfinite(x).all()) and not math.isnan(float(x))

@@ -1,0 +1,160 @@
+"""Target features, the training loop, exact resume and data-parallel training
+on a tiny random-weight target with a toy drafter."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dspark.models.tiny import tiny_target
+from dspark.train.anchors import make_batch
+from dspark.train.config import config_from_dict
+from dspark.train.data import SequenceStore
+from dspark.train.features import CachedFeatures, OnlineFeatures, build_feature_cache
+from dspark.train.trainer import DistInfo, Trainer, lr_at
+from dspark.types import RaggedBatch
+from train_toys import ToyDrafter, toy_io, write_toy_data
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _cfg(out_dir: Path, data_dir: Path, ckpt_every: int = 2, **optim) -> object:
+    opt = {"lr": 3e-3, "warmup_steps": 2, "total_steps": 6, "global_batch": 4, "anchors_per_seq": 3}
+    opt.update(optim)
+    return config_from_dict({
+        "run": {"out_dir": str(out_dir), "seed": 1},
+        "data": {"dir": str(data_dir), "max_seq_len": 32, "holdout_fraction": 0.1},
+        "drafter": {"kind": "dspark", "block_size": 3},
+        "optim": opt,
+        "log": {"log_every": 1, "ckpt_every": ckpt_every, "progress": False},
+    })
+
+
+def _trainer(cfg, seed: int = 0) -> Trainer:
+    target = tiny_target(seed=0)
+    store = SequenceStore(cfg.data.dir)
+    train, held = store.split(cfg.data.holdout_fraction)
+    torch.manual_seed(seed)
+    drafter = ToyDrafter(target, block_size=3)
+    return Trainer(cfg, drafter, OnlineFeatures(target, drafter.tap_layers), store, train, toy_io(), heldout_indices=held)
+
+
+def test_lr_schedule():
+    assert lr_at(0, 1.0, 4, 20, 0.1) == 0.25 and lr_at(3, 1.0, 4, 20, 0.1) == 1.0
+    assert math.isclose(lr_at(4, 1.0, 4, 20, 0.1), 1.0)
+    assert math.isclose(lr_at(20, 1.0, 4, 20, 0.1), 0.1)
+    assert lr_at(10, 1.0, 4, 20, 0.1) < lr_at(8, 1.0, 4, 20, 0.1)
+
+
+def test_online_features_match_per_sequence_forward(tmp_path):
+    target = tiny_target(seed=0)
+    store = SequenceStore(write_toy_data(tmp_path / "data", num=6))
+    seqs = [store.get(i) for i in range(3)]
+    batch = make_batch(seqs, [0, 1, 2], anchors_per_seq=4, block_size=3)
+    feats = OnlineFeatures(target, (0, 1))(batch, [0, 1, 2])
+    for b in range(3):
+        n = int(batch.lengths[b])
+        cache = target.new_cache(1, n)
+        slot = cache.allocate()
+        out = target.forward(RaggedBatch(batch.token_ids[b, :n], [slot], [n]), cache, tap_layers=(0, 1))
+        assert torch.allclose(feats.tapped_hidden[b, :n], out.tapped_hidden, atol=1e-5)
+        assert float(feats.tapped_hidden[b, n:].abs().sum()) == 0.0
+        for a in range(4):
+            for k in range(3):
+                if batch.valid[b, a, k]:
+                    row = int(batch.anchors[b, a]) + k  # position p + k predicts token p + 1 + k
+                    assert torch.allclose(feats.target_logits[b, a, k], out.logits[row], atol=1e-4)
+
+
+def test_feature_cache_matches_online_and_respects_cap(tmp_path, capsys):
+    from dspark.errors import UserError
+
+    target = tiny_target(seed=0)
+    store = SequenceStore(write_toy_data(tmp_path / "data", num=6))
+    with pytest.raises(UserError, match="over the cap"):
+        build_feature_cache(target, store, list(range(6)), (0, 1), tmp_path / "c0", max_seq_len=32,
+                            max_gb=1e-6, target_name="tiny", progress=False)
+    folder = build_feature_cache(target, store, list(range(6)), (0, 1), tmp_path / "c", max_seq_len=32,
+                                 max_gb=1.0, target_name="tiny", seqs_per_shard=4, progress=False)
+    assert "GB" in capsys.readouterr().out
+    batch = make_batch([store.get(i, 32) for i in (1, 4)], [5, 6], anchors_per_seq=3, block_size=3)
+    online = OnlineFeatures(target, (0, 1))(batch, [1, 4])
+    cached = CachedFeatures(target, folder, (0, 1))(batch, [1, 4])
+    assert torch.allclose(online.tapped_hidden, cached.tapped_hidden, atol=2e-2, rtol=1e-2)  # float16 storage
+    valid = batch.valid[..., None]
+    assert torch.allclose(online.target_logits * valid, cached.target_logits * valid, atol=5e-2)
+
+
+def test_training_reduces_loss(tmp_path):
+    cfg = _cfg(tmp_path / "run", write_toy_data(tmp_path / "data"), total_steps=40, lr=1e-2, ckpt_every=100)
+    trainer = _trainer(cfg)
+    before = trainer.evaluate(trainer.heldout_indices or trainer.train_indices[:8])
+    trainer.fit()
+    after = trainer.evaluate(trainer.heldout_indices or trainer.train_indices[:8])
+    assert after["loss"] < 0.8 * before["loss"]
+    assert after["expected_accept_len"] > before["expected_accept_len"]
+    log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 41))
+    assert {"loss", "ce", "tv", "conf", "accept_per_position", "expected_accept_len", "lr"} <= set(log[-1])
+    assert len(log[-1]["accept_per_position"]) == 3
+
+
+def _weights(run_dir: Path) -> dict:
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return load_file(str(run_dir / "checkpoints" / latest / "drafter" / "model.safetensors"))
+
+
+def test_resume_after_interruption_is_exact(tmp_path):
+    data = write_toy_data(tmp_path / "data")
+    whole = _trainer(_cfg(tmp_path / "a", data))
+    whole.fit()
+    first = _trainer(_cfg(tmp_path / "b", data))
+    first.fit(stop_at_step=3)  # "killed" after step 3: the last checkpoint is step 2
+    assert (tmp_path / "b" / "checkpoints" / "latest").read_text().strip() == "step-0000002"
+    resumed = _trainer(_cfg(tmp_path / "b", data), seed=123)  # fresh init: weights must come from the checkpoint
+    resumed.fit()
+    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    strip = lambda p: [{k: v for k, v in json.loads(x).items() if k != "seqs_per_s"} for x in p.read_text().splitlines()]  # noqa: E731
+    assert strip(tmp_path / "a" / "log.jsonl") == strip(tmp_path / "b" / "log.jsonl")
+    files = {p.suffix for p in (tmp_path / "b" / "checkpoints").rglob("*") if p.is_file()}
+    assert files <= {".safetensors", ".json", ""}  # no pickle files
+
+
+WORKER = """
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from test_train_trainer import _cfg, _trainer
+from dspark.train.trainer import DistInfo
+from pathlib import Path
+dist.init_process_group("gloo")
+trainer = _trainer(_cfg(Path({out!r}), Path({data!r})))
+trainer.dist = DistInfo(dist.get_rank(), dist.get_world_size())
+trainer.fit()
+dist.destroy_process_group()
+"""
+
+
+def test_two_process_data_parallel_matches_single(tmp_path):
+    """torchrun with 2 CPU ranks (gloo), global batch 4 = 2 x 2, against one process."""
+    data = write_toy_data(tmp_path / "data")
+    single = _trainer(_cfg(tmp_path / "single", data))
+    single.fit()
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(tests=str(TESTS), out=str(tmp_path / "ddp"), data=str(data)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", str(script)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = _weights(tmp_path / "single"), _weights(tmp_path / "ddp")
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4), k
+    log_a = [json.loads(x) for x in (tmp_path / "single" / "log.jsonl").read_text().splitlines()]
+    log_b = [json.loads(x) for x in (tmp_path / "ddp" / "log.jsonl").read_text().splitlines()]
+    assert [round(r["loss"], 4) for r in log_a] == [round(r["loss"], 4) for r in log_b]
