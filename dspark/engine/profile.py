@@ -1,0 +1,349 @@
+"""Profile the engine's step-time curve SPS(B) on this machine (paper 3.2.2, 5.2).
+
+The prefix schedulers pick verify lengths by maximising tau * SPS(B), where B
+is the number of tokens the target verifies in one step. SPS(B) is measured
+once per (model, drafter, hardware, dtype, settings) and cached on disk as a
+`CostTable` under `<dspark home>/profiles/`; a later start with the same
+`CostKey` reuses the file, any difference re-profiles.
+
+One budget B is measured on synthetic requests with a realistic cached
+context (`context_len` tokens of English text, or seeded pseudo-text when no
+tokenizer is at hand) in a scratch KV cache: B is split over the fewest
+requests that can verify it, R = ceil(B / (1 + G)), each verifying 1 + l_r
+tokens (l_r <= G, as even as possible). One timed step is the drafter's
+batched `propose` for those R requests plus the ragged target forward over
+the B tokens (with logits for all B rows and the drafter's tapped layers, as
+the engine asks). Each budget runs `warmup` untimed steps, then the median of
+`repeats` timed ones; after every step the scratch slots roll back to the
+context, and everything is released at the end. Verification sampling and
+Python bookkeeping of a real step are not included.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from dspark.errors import UserError
+from dspark.schedule import CostKey, CostTable, budget_grid, profile_points, settings_fingerprint
+from dspark.types import RaggedBatch, SamplingParams
+
+# Filler for the synthetic context (tiled to context_len tokens when a tokenizer is given).
+PASSAGE = (
+    "The river town woke slowly. Bakers opened their shutters first, then the ferry crew "
+    "checked the ropes and the engine, and by seven the market square was full of carts. "
+    "A teacher walked her class to the library, where the old clock had stopped again at "
+    "twenty past nine. Somebody always promised to fix it. In the afternoon the wind turned, "
+    "clouds came in from the hills, and the fishermen pulled their boats higher onto the "
+    "shingle. def count_words(text):\n    counts = {}\n    for word in text.split():\n"
+    "        counts[word] = counts.get(word, 0) + 1\n    return counts\n"
+)
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """How SPS(B) is measured. Every field is part of the cache key."""
+
+    context_len: int = 256  # cached tokens per synthetic request (1..8192)
+    max_requests: int = 16  # most synthetic requests R in one step (1..256)
+    max_budget: int | None = None  # largest B measured; None: max_requests * (1 + G)
+    repeats: int = 3  # timed steps per budget, median taken (1..50)
+    warmup: int = 1  # untimed steps per budget before timing (0..10)
+    dense_until: int = 16  # measure every B up to this, then a geometric grid (>= 1)
+    ratio: float = 1.25  # geometric grid ratio past dense_until (1 < ratio <= 4)
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("context_len", 1 <= self.context_len <= 8192, "1..8192"),
+            ("max_requests", 1 <= self.max_requests <= 256, "1..256"),
+            ("max_budget", self.max_budget is None or self.max_budget >= 1, ">= 1 or None"),
+            ("repeats", 1 <= self.repeats <= 50, "1..50"),
+            ("warmup", 0 <= self.warmup <= 10, "0..10"),
+            ("dense_until", self.dense_until >= 1, ">= 1"),
+            ("ratio", 1.0 < self.ratio <= 4.0, "in (1, 4]"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise UserError(f"profile setting {name}={getattr(self, name)!r} is out of range; use {allowed}")
+
+    def budgets(self, block_size: int) -> list[int]:
+        """The budgets B to measure for a drafter of block size G."""
+        largest = self.max_requests * (1 + block_size)
+        top = largest if self.max_budget is None else min(self.max_budget, largest)
+        return budget_grid(top, dense_until=self.dense_until, ratio=self.ratio)
+
+
+def split_budget(budget: int, block_size: int, max_requests: int) -> list[int]:
+    """Query lengths 1 + l_r of the fewest requests that verify `budget` tokens,
+    as even as possible (each in 1..1 + G)."""
+    per_request = 1 + block_size
+    if not 1 <= budget <= max_requests * per_request:
+        raise ValueError(f"budget {budget} needs 1..{max_requests * per_request} tokens")
+    count = math.ceil(budget / per_request)
+    base, extra = divmod(budget, count)
+    return [base + 1] * extra + [base] * (count - extra)
+
+
+# --------------------------------------------------------------- cache key
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def hardware_id(device: torch.device | str = "cpu") -> str:
+    """The machine as far as step time is concerned: device model, threads, torch version."""
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model()
+    return f"{device.type}:{name}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+
+
+def profile_key(
+    model_id: str, drafter_id: str, dtype: torch.dtype, device: torch.device | str,
+    settings: ProfileSettings, extra: dict | None = None,
+) -> CostKey:
+    """The `CostKey` a profile is cached under."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    fingerprint = settings_fingerprint({"profile": asdict(settings), **(extra or {})})
+    return CostKey(
+        model=f"{model_id}|{dtype_name}", drafter=drafter_id, hardware=hardware_id(device), settings=fingerprint
+    )
+
+
+def profile_path(key: CostKey, home: str | Path | None = None) -> Path:
+    """Where the table for `key` is cached: `<home>/profiles/<model>-<hash>.json`."""
+    from dspark.models.embedded import dspark_home
+
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(key.model.split("|")[0]).name)[:40] or "model"
+    return dspark_home(home) / "profiles" / f"{slug}-{settings_fingerprint(asdict(key))}.json"
+
+
+@dataclass
+class ProfileOutcome:
+    table: CostTable
+    path: Path | None  # the cache file (None: not cached)
+    reused: bool  # True: read from the cache, nothing measured
+
+
+def load_or_profile(
+    key: CostKey,
+    measure: Callable[[int], float],
+    budgets: Sequence[int],
+    *,
+    path: Path | None,
+    refresh: bool = False,
+    progress: bool = True,
+) -> ProfileOutcome:
+    """Reuse the table cached at `path` if it was measured for `key`; otherwise call
+    `measure(B)` (seconds per step) at every budget, and cache the new table."""
+    if path is not None and not refresh:
+        try:
+            cached = CostTable.try_load(path, key)  # None if missing or measured for another key
+        except UserError as err:  # malformed file: say so, measure again
+            print(f"[dspark] {err}", file=sys.stderr)
+            cached = None
+        if cached is not None:
+            return ProfileOutcome(cached, path, reused=True)
+    table = profile_points(measure, budgets, key=key, progress=progress)
+    if path is not None:
+        table.save(path)
+    return ProfileOutcome(table, path, reused=False)
+
+
+# ------------------------------------------------------------ measuring
+def synthetic_context(length: int, vocab_size: int, tokenizer=None, seed: int = 0) -> list[int]:
+    """`length` context tokens: PASSAGE tiled through `tokenizer`, or seeded
+    pseudo-text (a random 48-token phrase, repeated with random edits) without one."""
+    if tokenizer is not None:
+        ids = [int(t) for t in tokenizer.encode(PASSAGE, add_special_tokens=False)]
+        ids = [t for t in ids if 0 <= t < vocab_size]
+        if ids:
+            return (ids * (length // len(ids) + 1))[:length]
+    gen = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(0, vocab_size, (48,), generator=gen)
+    tiled = phrase.repeat(length // 48 + 1)[:length].clone()
+    edits = torch.rand(length, generator=gen) < 0.15
+    tiled[edits] = torch.randint(0, vocab_size, (int(edits.sum()),), generator=gen)
+    return [int(t) for t in tiled]
+
+
+class StepBench:
+    """A scratch KV cache and drafter states holding `max_requests` copies of one
+    context, for timing synthetic steps (see the module docstring)."""
+
+    def __init__(self, target, drafter, settings: ProfileSettings, context_ids: list[int]) -> None:
+        from dspark.models.kv_cache import KVCache
+
+        if len(context_ids) < settings.context_len:
+            raise ValueError(f"need {settings.context_len} context tokens, got {len(context_ids)}")
+        self.target, self.drafter, self.settings = target, drafter, settings
+        self.context_len = settings.context_len
+        count, block = settings.max_requests, drafter.block_size
+        dtype = next(target.parameters()).dtype
+        self.cache = KVCache(target.config, count, self.context_len + block + 1, dtype)
+        self.slots = [self.cache.allocate() for _ in range(count)]
+        context = torch.tensor(context_ids[: self.context_len], dtype=torch.int64)  # [L]
+        anchor, taps = self._prefill(context)
+        self.states = [drafter.new_state() for _ in range(count)]
+        drafter.observe(self.states, [context] * count, None if taps is None else [taps] * count)
+        self.anchors = torch.full((count,), anchor, dtype=torch.int64)  # [R]
+        self.params = [SamplingParams(temperature=0.0)] * count
+        self.generators = [torch.Generator().manual_seed(i) for i in range(count)]
+
+    @torch.no_grad()
+    def _prefill(self, context: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """Run the context once into the first slot, copy its KV to the others."""
+        first = self.slots[0]
+        out = self.target.forward(
+            RaggedBatch(context, [first], [len(context)]), self.cache,
+            logits_rows=torch.tensor([len(context) - 1]), tap_layers=self.drafter.tap_layers,
+        )
+        for slot in self.slots[1:]:
+            for keys, values in zip(self.cache.keys, self.cache.values):
+                keys[slot].copy_(keys[first])
+                values[slot].copy_(values[first])
+            self.cache.commit([slot], [len(context)])
+        return int(out.logits[0].argmax()), out.tapped_hidden  # tapped: [L, T, D] or None
+
+    @torch.no_grad()
+    def step_seconds(self, query_lens: list[int]) -> float:
+        """Time one synthetic step: propose for len(query_lens) requests, verify their tokens."""
+        count = len(query_lens)
+        start = time.perf_counter()
+        proposal = self.drafter.propose(
+            self.states[:count], self.anchors[:count], self.params[:count], self.generators[:count]
+        )
+        tokens: list[int] = []
+        for r, q in enumerate(query_lens):
+            tokens.append(int(self.anchors[r]))
+            tokens.extend(int(t) for t in proposal.draft_tokens[r, : q - 1])  # q - 1 <= G
+        batch = RaggedBatch(torch.tensor(tokens, dtype=torch.int64), self.slots[:count], list(query_lens))
+        self.target.forward(
+            batch, self.cache, logits_rows=torch.arange(len(tokens)), tap_layers=self.drafter.tap_layers
+        )
+        seconds = time.perf_counter() - start
+        for slot in self.slots[:count]:
+            self.cache.truncate(slot, self.context_len)  # roll back to the context
+        return seconds
+
+    def measure(self, budget: int) -> float:
+        """Median seconds of one step verifying `budget` tokens (after warm-up)."""
+        lens = split_budget(budget, self.drafter.block_size, self.settings.max_requests)
+        for _ in range(self.settings.warmup):
+            self.step_seconds(lens)
+        return statistics.median(self.step_seconds(lens) for _ in range(self.settings.repeats))
+
+    def close(self) -> None:
+        """Release the drafter states and the scratch cache."""
+        for state in self.states:
+            self.drafter.release(state)
+        for slot in self.slots:
+            self.cache.free(slot)
+        self.states, self.slots, self.cache = [], [], None
+
+    def __enter__(self) -> "StepBench":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def profile_engine(
+    target,
+    drafter,
+    *,
+    model_id: str,
+    drafter_id: str | None = None,
+    settings: ProfileSettings = ProfileSettings(),
+    tokenizer=None,
+    home: str | Path | None = None,
+    cache: bool = True,
+    refresh: bool = False,
+    progress: bool = True,
+) -> ProfileOutcome:
+    """SPS(B) for `target` + `drafter` on this machine: cached, or measured now.
+
+    `model_id` and `drafter_id` name what is loaded (a path, a name); they go
+    into the cache key with the dtype, the hardware and `settings`.
+    """
+    device = next(target.parameters()).device
+    dtype = next(target.parameters()).dtype
+    drafter_id = drafter_id or drafter.name
+    extra = {"block_size": drafter.block_size, "tap_layers": list(drafter.tap_layers),
+             "context": "passage" if tokenizer is not None else "pseudo-text"}
+    key = profile_key(model_id, f"{drafter_id}|G={drafter.block_size}", dtype, device, settings, extra)
+    path = profile_path(key, home) if cache else None
+    budgets = settings.budgets(drafter.block_size)
+    bench: StepBench | None = None
+
+    def measure(budget: int) -> float:
+        nonlocal bench
+        if bench is None:  # built lazily: a cache hit never touches the model
+            context = synthetic_context(settings.context_len, target.config.vocab_size, tokenizer)
+            bench = StepBench(target, drafter, settings, context)
+        return bench.measure(budget)
+
+    try:
+        return load_or_profile(key, measure, budgets, path=path, refresh=refresh, progress=progress)
+    finally:
+        if bench is not None:
+            bench.close()
+
+
+def format_table(table: CostTable) -> str:
+    """The measured points as an aligned text table."""
+    lines = [f"{'B':>5} {'ms/step':>9} {'steps/s':>9} {'tokens/s':>9}"]
+    for budget, seconds in table.points():
+        lines.append(f"{budget:>5} {1e3 * seconds:>9.2f} {1.0 / seconds:>9.2f} {budget / seconds:>9.1f}")
+    return "\n".join(lines)
+
+
+def run_profile(
+    target_path: str | None = None,
+    drafter_spec: str = "default",
+    *,
+    home: str | Path | None = None,
+    dtype: str = "float32",
+    block_size: int | None = None,
+    settings: ProfileSettings = ProfileSettings(),
+    out_png: str | Path | None = None,
+    refresh: bool = False,
+) -> CostTable:
+    """`dspark profile`: load the target and drafter, get SPS(B) (cached or measured),
+    print the table and write a plot (default: next to the cached table)."""
+    from dspark.draft.registry import load_drafter
+    from dspark.models import load_target
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if torch_dtype is None:
+        raise UserError(f"unknown dtype {dtype!r}; use float32 or bfloat16")
+    loaded = load_target(target_path, home=home, dtype=torch_dtype)
+    drafter = load_drafter(drafter_spec, loaded.model, block_size=block_size, embedded=target_path is None)
+    start = time.perf_counter()
+    outcome = profile_engine(
+        loaded.model, drafter, model_id=f"{loaded.name}@{loaded.path}", drafter_id=f"{drafter_spec}:{drafter.name}",
+        settings=settings, tokenizer=loaded.tokenizer, home=home, refresh=refresh,
+    )
+    table = outcome.table
+    how = f"reused {outcome.path}" if outcome.reused else f"measured in {time.perf_counter() - start:.1f} s"
+    print(f"SPS(B) for {loaded.name} + {drafter.name} (G={drafter.block_size}), {how}")
+    print(f"key: {table.key}")
+    print(format_table(table))
+    png = Path(out_png) if out_png is not None else (outcome.path.with_suffix(".png") if outcome.path else None)
+    if png is not None:
+        table.plot(png)
+        print(f"plot: {png}")
+    return table
