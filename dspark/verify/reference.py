@@ -20,13 +20,13 @@ def reference_target_probs(logits: torch.Tensor, params: SamplingParams) -> list
 
     logits: [V]. Greedy (temperature 0) is a one-hot on the first argmax.
     """
-    values = [float(x) for x in logits.float()]
+    values = logits.float().tolist()
     vocab = len(values)
     if params.greedy:
         best = max(range(vocab), key=lambda i: (values[i], -i))
         return [1.0 if i == best else 0.0 for i in range(vocab)]
     # Divide in float32 like the fast path, so near-ties order the same way.
-    scaled = [float(torch.tensor(v, dtype=torch.float32) / params.temperature) for v in values]
+    scaled = (logits.float() / torch.tensor(params.temperature, dtype=torch.float32)).tolist()
     order = sorted(range(vocab), key=lambda i: -scaled[i])  # stable: ties in index order
     keep = [True] * vocab
     if 0 < params.top_k < vocab:
@@ -80,7 +80,7 @@ def reference_verify_request(
         if draft_probs is None:
             draft = [1.0 if i == token else 0.0 for i in range(len(target))]
         else:
-            draft = [float(x) for x in draft_probs[k]]
+            draft = draft_probs[k].double().tolist()
         if draft[token] > 0:
             accept_prob = min(1.0, target[token] / draft[token])
         else:  # a drafter that reports p_draft = 0 for its own token: accept iff the target allows it
