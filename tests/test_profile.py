@@ -1,0 +1,142 @@
+"""SPS(B) profiling: the cache is reused exactly when the CostKey matches, any
+mismatch (or a refresh, or a damaged file) measures again; budget splitting;
+and a real measurement on a tiny target that releases what it used."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from dspark.draft.ngram import NgramDrafter
+from dspark.engine.profile import (
+    ProfileSettings, StepBench, load_or_profile, profile_engine, profile_key, profile_path, split_budget,
+    synthetic_context,
+)
+from dspark.errors import UserError
+from dspark.models.tiny import tiny_target
+from dspark.schedule import CostKey
+from tests.server_harness import SlowDrafter
+
+KEY = CostKey(model="m|float32", drafter="d|G=4", hardware="cpu:x|threads=2|torch=2", settings="abc")
+BUDGETS = [1, 2, 3, 5, 8]
+
+
+class FakeMeasure:
+    """Seconds per step = 10 ms + 1 ms per token; counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(self, budget: int) -> float:
+        self.calls.append(budget)
+        return 0.010 + 0.001 * budget
+
+
+def test_measures_every_budget_then_reuses_the_cache(tmp_path):
+    path = tmp_path / "p.json"
+    measure = FakeMeasure()
+    first = load_or_profile(KEY, measure, BUDGETS, path=path, progress=False)
+    assert not first.reused and measure.calls == BUDGETS and path.is_file()
+    assert first.table.points() == [(b, pytest.approx(0.010 + 0.001 * b)) for b in BUDGETS]
+    assert first.table.sps(5) == pytest.approx(1 / 0.015)
+    again = load_or_profile(KEY, measure, BUDGETS, path=path, progress=False)
+    assert again.reused and measure.calls == BUDGETS  # nothing measured the second time
+    assert again.table.points() == first.table.points() and again.table.key == KEY
+
+
+@pytest.mark.parametrize("field", ["model", "drafter", "hardware", "settings"])
+def test_a_key_mismatch_measures_again(tmp_path, field):
+    """Same file, a table measured for another key: re-profile and overwrite."""
+    path = tmp_path / "p.json"
+    load_or_profile(KEY, FakeMeasure(), BUDGETS, path=path, progress=False)
+    other = dataclasses.replace(KEY, **{field: getattr(KEY, field) + "-other"})
+    measure = FakeMeasure()
+    outcome = load_or_profile(other, measure, BUDGETS, path=path, progress=False)
+    assert not outcome.reused and measure.calls == BUDGETS
+    assert json.loads(path.read_text())["key"][field] == getattr(other, field)
+
+
+def test_refresh_and_damaged_files_measure_again(tmp_path):
+    path = tmp_path / "p.json"
+    load_or_profile(KEY, FakeMeasure(), BUDGETS, path=path, progress=False)
+    measure = FakeMeasure()
+    assert not load_or_profile(KEY, measure, BUDGETS, path=path, refresh=True, progress=False).reused
+    path.write_text("{not json")
+    assert not load_or_profile(KEY, measure, BUDGETS, path=path, progress=False).reused
+    assert measure.calls == BUDGETS * 2
+    assert load_or_profile(KEY, measure, BUDGETS, path=path, progress=False).reused
+
+
+def test_cache_path_depends_on_every_key_field(tmp_path):
+    paths = {profile_path(KEY, tmp_path)} | {
+        profile_path(dataclasses.replace(KEY, **{f: "x"}), tmp_path) for f in ("model", "drafter", "hardware", "settings")
+    }
+    assert len(paths) == 5 and all(p.parent == tmp_path / "profiles" for p in paths)
+
+
+def test_profile_key_covers_dtype_settings_and_machine():
+    base = profile_key("tiny", "ngram|G=4", torch.float32, "cpu", ProfileSettings())
+    assert base != profile_key("tiny", "ngram|G=4", torch.bfloat16, "cpu", ProfileSettings())
+    assert base != profile_key("tiny", "ngram|G=4", torch.float32, "cpu", ProfileSettings(context_len=128))
+    assert base == profile_key("tiny", "ngram|G=4", torch.float32, "cpu", ProfileSettings())
+    assert f"threads={torch.get_num_threads()}" in base.hardware and torch.__version__ in base.hardware
+
+
+def test_split_budget_uses_the_fewest_requests():
+    for block in (1, 4, 7):
+        for budget in range(1, 5 * (1 + block) + 1):
+            lens = split_budget(budget, block, 5)
+            assert sum(lens) == budget and all(1 <= q <= 1 + block for q in lens)
+            assert len(lens) == -(-budget // (1 + block)) and max(lens) - min(lens) <= 1
+    with pytest.raises(ValueError):
+        split_budget(11, 1, 5)
+
+
+def test_settings_are_validated_and_bound_the_grid():
+    with pytest.raises(UserError, match="repeats"):
+        ProfileSettings(repeats=0)
+    with pytest.raises(UserError, match="context_len"):
+        ProfileSettings(context_len=0)
+    assert ProfileSettings(max_requests=2).budgets(3)[-1] == 8  # 2 requests x (1 + G)
+    assert ProfileSettings(max_requests=8, max_budget=20).budgets(3)[-1] == 20
+
+
+SMALL = ProfileSettings(context_len=24, max_requests=3, repeats=1, warmup=0, dense_until=4, ratio=1.5)
+
+
+def test_profiles_a_tiny_target_and_reuses_it_without_touching_the_model(tmp_path):
+    target = tiny_target(seed=1, vocab_size=96)
+    drafter = SlowDrafter(NgramDrafter(block_size=4))
+    first = profile_engine(target, drafter, model_id="tiny", settings=SMALL, home=tmp_path, progress=False)
+    assert not first.reused and first.path.is_file()
+    assert first.table.budgets == SMALL.budgets(4)
+    assert all(s > 0 for _, s in first.table.points())
+    assert drafter.released == SMALL.max_requests  # every scratch state released
+    drafter.fail_next = True  # a cache hit must not run the drafter (or the target)
+    again = profile_engine(target, drafter, model_id="tiny", settings=SMALL, home=tmp_path, progress=False)
+    assert again.reused and again.table.points() == first.table.points()
+    changed = profile_engine(target, NgramDrafter(block_size=4), model_id="tiny", home=tmp_path, progress=False,
+                             settings=dataclasses.replace(SMALL, context_len=16))
+    assert not changed.reused and changed.path != first.path
+
+
+def test_step_bench_rolls_back_to_the_context():
+    target = tiny_target(seed=2, vocab_size=96)
+    bench = StepBench(target, NgramDrafter(block_size=3), SMALL, synthetic_context(SMALL.context_len, 96))
+    bench.measure(11)  # 3 requests: 4 + 4 + 3 tokens
+    assert [bench.cache.length(s) for s in bench.slots] == [SMALL.context_len] * 3
+    cache = bench.cache
+    bench.close()
+    assert cache.num_free_slots == SMALL.max_requests and cache.tokens_in_use() == 0
+
+
+def test_synthetic_context_uses_the_tokenizer_when_given():
+    from tests.server_harness import CharTokenizer
+
+    ids = synthetic_context(300, 96, CharTokenizer())
+    assert len(ids) == 300 and CharTokenizer().decode(ids).startswith("The river town")
+    pseudo = synthetic_context(100, 50)
+    assert len(pseudo) == 100 and all(0 <= t < 50 for t in pseudo) and pseudo == synthetic_context(100, 50)
