@@ -25,9 +25,9 @@ def _plt():
 
 
 def _save(fig, path: Path, commands: list[str]) -> Path:
-    footer = "\n".join(textwrap.shorten(c, 180) for c in commands)
-    fig.text(0.01, 0.005, footer, fontsize=6, family="monospace", va="bottom", ha="left", color="0.3")
-    fig.tight_layout(rect=(0, 0.04 + 0.025 * len(commands), 1, 1))
+    lines = [line for c in commands for line in textwrap.wrap(c, 170, subsequent_indent="    ")]
+    fig.text(0.01, 0.005, "\n".join(lines), fontsize=6, family="monospace", va="bottom", ha="left", color="0.3")
+    fig.tight_layout(rect=(0, 0.04 + 0.025 * len(lines), 1, 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -115,7 +115,7 @@ def reliability(samples: list[ReliabilitySamples], title: str, path: Path, comma
             ax.plot(curve["predicted"], curve["observed"], style, ms=3,
                     label=f"{name} (ECE {100 * ece(pred, observed, bins):.1f}%)")
         score = auc(torch.tensor(s.after, dtype=torch.float64), observed)
-        ax.set_title(f"position {s.position}, n={len(s.observed)}" + (f", AUC {score:.3f}" if score else ""),
+        ax.set_title(f"position {s.position}, n={len(s.observed)}" + (f", AUC {score:.3f}" if score is not None else ""),
                      fontsize=9)
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import shlex
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -103,63 +103,79 @@ def context_needed(tokenizer, suites: dict[str, list[Prompt]], max_new_tokens: i
     return need
 
 
-def evaluate_drafter(
-    target, tokenizer, label: str, drafter: Drafter, suites: dict[str, list[Prompt]],
-    params: SamplingParams, max_seq_len: int, progress: bool = True,
-) -> dict[str, BenchResult]:
-    """Run one drafter over every benchmark's prompts; benchmark -> result."""
+@dataclass
+class _Lane:
+    """One drafter with its own engine, and what it has measured so far."""
+
+    label: str
+    spec: str
+    drafter: Drafter
+    engine: Engine
+    policy: RecordingPolicy
+    benches: dict[str, BenchResult] = field(default_factory=dict)
+
+    def start(self, name: str, prompts: int) -> BenchResult:
+        stats = SpecStats(block_size=self.drafter.block_size)
+        self.benches[name] = BenchResult(name, BENCHMARKS[name], prompts, 0, 0, 0.0, stats)
+        return self.benches[name]
+
+    def run(self, bench: BenchResult, prompt: Prompt, params: SamplingParams, index: int) -> int:
+        results = run_conversation(self.engine, prompt, params, index)
+        for result in results:
+            bench.stats.merge(result.stats)
+            bench.generated_tokens += result.num_generated
+            bench.seconds += result.seconds
+            bench.generations += 1
+        return len(results)
+
+    def finish(self, bench: BenchResult) -> None:
+        bench.rounds = self.policy.take_rounds()
+
+    def record(self) -> DrafterRun:
+        temps = getattr(getattr(self.drafter, "config", None), "calibration_temperatures", None)
+        return DrafterRun(
+            label=self.label, spec=self.spec, kind=self.drafter.name, block_size=self.drafter.block_size,
+            has_confidence=bool(self.drafter.has_confidence),
+            calibration_temperatures=None if temps is None else [float(t) for t in temps], benches=self.benches,
+        )
+
+
+def _lane(target, tokenizer, label: str, spec: str, drafter: Drafter, max_seq_len: int) -> _Lane:
     policy = RecordingPolicy(drafter.block_size, keep_rounds=drafter.has_confidence)
     engine = Engine(target, drafter, policy, EngineConfig(max_running=1, max_seq_len=max_seq_len),
                     tokenizer=tokenizer)
-    _warm_up(engine, tokenizer, policy)
-    total = sum(len(p.turns) for prompts in suites.values() for p in prompts)
-    bar = tqdm(total=total, desc=f"eval {label}", unit="answer", disable=not progress)
-    out = {}
-    for name, prompts in suites.items():
-        bar.set_postfix_str(name)
-        stats = SpecStats(block_size=drafter.block_size)
-        tokens, seconds, generations = 0, 0.0, 0
-        for index, prompt in enumerate(prompts):
-            for result in run_conversation(engine, prompt, params, index):
-                stats.merge(result.stats)
-                tokens += result.num_generated
-                seconds += result.seconds
-                generations += 1
-                bar.update(1)
-        out[name] = BenchResult(name, BENCHMARKS[name], len(prompts), generations, tokens, seconds, stats,
-                                policy.take_rounds())
-    bar.close()
-    return out
-
-
-def _warm_up(engine: Engine, tokenizer, policy: RecordingPolicy) -> None:
-    """One short untimed generation, so that lazy initialisation is not billed
-    to the first benchmark's tokens/s."""
-    ids = chat_ids(tokenizer, [{"role": "user", "content": "Hello"}])
-    generate(engine, ids, SamplingParams(temperature=0.0, max_new_tokens=4, seed=0))
+    # one short untimed generation, so lazy initialisation is not billed to the first benchmark
+    generate(engine, chat_ids(tokenizer, [{"role": "user", "content": "Hello"}]),
+             SamplingParams(temperature=0.0, max_new_tokens=4, seed=0))
     policy.take_rounds()
+    return _Lane(label, spec, drafter, engine, policy)
 
 
 def evaluate(
     target, tokenizer, drafters: list[tuple[str, str, Drafter]], suites: dict[str, list[Prompt]],
     settings: EvalSettings, progress: bool = True,
 ) -> list[DrafterRun]:
-    """Every (label, spec, drafter) over every benchmark, with the same prompts and seeds."""
+    """Every (label, spec, drafter) over every benchmark with the same prompts and
+    seeds. Drafters take turns prompt by prompt, so that a load change on a
+    shared machine slows all of them alike and tokens/s stay comparable."""
     params = SamplingParams(temperature=settings.temperature, max_new_tokens=settings.max_new_tokens,
                             seed=settings.seed)
-    limit = target.config.max_position_embeddings
     need = context_needed(tokenizer, suites, settings.max_new_tokens)
-    runs = []
-    for label, spec, drafter in drafters:
-        max_seq_len = min(limit, need + drafter.block_size + 1)
-        benches = evaluate_drafter(target, tokenizer, label, drafter, suites, params, max_seq_len, progress)
-        temps = getattr(getattr(drafter, "config", None), "calibration_temperatures", None)
-        runs.append(DrafterRun(
-            label=label, spec=spec, kind=drafter.name, block_size=drafter.block_size,
-            has_confidence=bool(drafter.has_confidence),
-            calibration_temperatures=None if temps is None else [float(t) for t in temps], benches=benches,
-        ))
-    return runs
+    limit = target.config.max_position_embeddings
+    lanes = [_lane(target, tokenizer, label, spec, d, min(limit, need + d.block_size + 1))
+             for label, spec, d in drafters]
+    total = len(lanes) * sum(len(p.turns) for prompts in suites.values() for p in prompts)
+    bar = tqdm(total=total, desc="eval", unit="answer", disable=not progress)
+    for name, prompts in suites.items():
+        bar.set_postfix_str(name)
+        benches = [lane.start(name, len(prompts)) for lane in lanes]
+        for index, prompt in enumerate(prompts):
+            for lane, bench in zip(lanes, benches):
+                bar.update(lane.run(bench, prompt, params, index))
+        for lane, bench in zip(lanes, benches):
+            lane.finish(bench)
+    bar.close()
+    return [lane.record() for lane in lanes]
 
 
 def drafter_label(spec: str) -> str:

@@ -223,7 +223,7 @@ def _drafter_dict(d: DrafterRun) -> dict:
     for name, r in d.benches.items():
         benches[name] = {
             "domain": r.domain, "prompts": r.prompts, "generations": r.generations,
-            "generated_tokens": r.generated_tokens, "seconds": round(r.seconds, 4), "stats": _stats_dict(r.stats),
+            "generated_tokens": r.generated_tokens, "seconds": r.seconds, "stats": _stats_dict(r.stats),
             "rounds": [[x.verify_len, x.num_accepted, [round(c, 5) for c in x.confidences]] for x in r.rounds],
         }
     return {"label": d.label, "spec": d.spec, "kind": d.kind, "block_size": d.block_size,

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dspark.eval import figures
-from dspark.eval.benchmarks import DOMAINS
+from dspark.eval.benchmarks import BENCHMARKS, DOMAINS
 from dspark.eval.records import DrafterRun, EvalRun, domain_means, domain_position_acceptance, load_runs
 from dspark.eval.sweeps import reliability_samples, threshold_sweep
 from dspark.eval.tables import fmt, render, speed_rows, tau_rows
@@ -47,14 +47,17 @@ class Report:
 
 
 def latest_entries(runs: list[EvalRun], temperature: float) -> list[Entry]:
-    """The newest result of each (drafter label, block size) among runs at `temperature`."""
+    """The newest result of each (drafter label, block size) among runs at
+    `temperature`, in run order, then each run's drafter order."""
     chosen: dict[tuple[str, int], Entry] = {}
+    order: dict[tuple[str, int], tuple[int, int]] = {}
     for number, run in enumerate(runs, start=1):
         if run.settings.temperature != temperature:
             continue
-        for d in run.drafters:
+        for position, d in enumerate(run.drafters):
             chosen[(d.label, d.block_size)] = Entry(number, run, d)
-    return sorted(chosen.values(), key=lambda e: (e.number, e.drafter.label))
+            order[(d.label, d.block_size)] = (number, position)
+    return [chosen[key] for key in sorted(chosen, key=order.__getitem__)]
 
 
 def _commands(entries: list[Entry], report_cmd: str) -> list[str]:
@@ -85,14 +88,14 @@ def _runs_section(runs: list[EvalRun]) -> str:
 
 
 def _tau_table(entries: list[Entry]) -> str:
-    blocks = []
-    for number in sorted({e.number for e in entries}):
-        own = [e for e in entries if e.number == number]
-        run = own[0].run
-        view = EvalRun(settings=run.settings, command=run.command, drafters=[e.drafter for e in own])
-        headers, rows = tau_rows(view)
-        blocks.append(f"Run [{number}]:\n\n" + render(headers, rows, markdown=True))
-    return "\n\n".join(blocks)
+    """Table 1 layout over entries from possibly several runs (column `run`)."""
+    headers, rows = [], []
+    for e in entries:
+        settings = replace(e.run.settings, benchmarks=tuple(BENCHMARKS))  # all nine columns
+        head, (row,) = tau_rows(EvalRun(settings=settings, command=e.run.command, drafters=[e.drafter]))
+        headers = head[:1] + ["run"] + head[1:]
+        rows.append(row[:1] + [f"[{e.number}]"] + row[1:])
+    return render(headers, rows, markdown=True)
 
 
 def _speed_section(runs: list[EvalRun]) -> str:
