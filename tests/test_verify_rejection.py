@@ -151,12 +151,13 @@ def test_empty_block_size():
 
 def test_all_accepted_then_bonus_from_the_next_position():
     """Draft distribution = target distribution: acceptance probability 1 at
-    every position, even for u just below 1, so the bonus comes from row l."""
+    every position (up to float rounding, hence u = 0.9999 rather than a u
+    just below 1), so the bonus comes from row l."""
     logits = torch.randn(2, 4, 12, generator=torch.Generator().manual_seed(5))
     draft_probs = torch.softmax(logits[:, :3], -1)
     tokens = torch.multinomial(draft_probs.reshape(-1, 12), 1).reshape(2, 3)
     proposal = DraftProposal(tokens, torch.tensor([3, 3]), draft_probs)
-    u = torch.full((2, 4), 1.0 - 2.0**-53, dtype=torch.float64)
+    u = torch.full((2, 4), 0.9999, dtype=torch.float64)
     result = verify_with_uniforms(proposal, logits, torch.tensor([3, 2]), SamplingTensors.uniform(2), u)
     assert result.num_accepted.tolist() == [3, 2]
     assert result.output_tokens[0, :3].tolist() == tokens[0].tolist()

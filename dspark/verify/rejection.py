@@ -121,8 +121,9 @@ def verify_with_uniforms(
     offsets = torch.cumsum(counts, 0) - counts  # [R] first flattened row of each request
     valid_rows = _positions(block_size + 1, device) <= lens[:, None]  # [R, G + 1]
     per_row = sampling.repeat_interleave(counts.to(sampling.temperature.device))
+    verified_logits = target_logits.flatten(0, 1) if bool(valid_rows.all()) else target_logits[valid_rows]
     flat_probs = target_probs(
-        target_logits[valid_rows], per_row.temperature.to(device), per_row.top_k.to(device), per_row.top_p.to(device)
+        verified_logits, per_row.temperature.to(device), per_row.top_k.to(device), per_row.top_p.to(device)
     )  # [M, V]
 
     valid_draft = _positions(block_size, device) < lens[:, None]  # [R, G]
