@@ -17,7 +17,9 @@ in 0..G. `RoundState` holds what a real scheduler sees (draft tokens, the
 confidences c_k, the committed tokens, a generator for randomised policies)
 and, for negative tests only, `peek_target_probs`. S independent sequences
 are one big batch; a policy that schedules batches of R requests jointly can
-view the S sequences as S // R batches.
+view the S sequences as S // R batches. A stateful policy (one that learns
+from realised acceptances) gets them through `observe(state, lens, result)`,
+called after every verification.
 
 Typical use (a policy's losslessness test):
 
@@ -154,8 +156,9 @@ class RoundState:
     """What a verify-length policy sees in one round, for S sequences."""
 
     round_index: int
-    committed: torch.Tensor  # [S, L] int64, prefix + committed tokens, valid up to num_committed
+    committed: torch.Tensor  # [S, L] int64, prefix + committed tokens, valid up to num_committed (read only)
     num_committed: torch.Tensor  # [S] int64
+    active: torch.Tensor  # [S] bool: still short of num_tokens (finished ones run on, uncommitted)
     draft_tokens: torch.Tensor  # [S, G] int64
     draft_probs: torch.Tensor | None  # [S, G, V] float32, None for point-mass drafts
     # c_k = sum_x min(p_draft_k, p_target_k): the true probability that draft k is
@@ -177,6 +180,9 @@ class RoundState:
 
 
 ChooseLen = Callable[[RoundState], "torch.Tensor | int"]
+# Called after each verification with the round's state, verify lengths [S] and result,
+# e.g. to feed a stateful policy's commit(); decisions may depend on past rounds freely.
+Observe = Callable[[RoundState, torch.Tensor, VerifyResult], None]
 VerifyFn = Callable[[DraftProposal, torch.Tensor, torch.Tensor, SamplingTensors, torch.Tensor], VerifyResult]
 
 
@@ -213,6 +219,7 @@ def run_speculative(
     num_tokens: int,
     seed: int,
     verify_fn: VerifyFn = verify_with_uniforms,
+    observe: Observe | None = None,
 ) -> torch.Tensor:  # [S, num_tokens] int64: the first num_tokens committed tokens
     """Speculative decoding of S independent sequences after world.prefix."""
     num_seqs = int(sampling.temperature.shape[0])
@@ -234,12 +241,14 @@ def run_speculative(
         )  # [S, G + 1, V]
         tprobs = target_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
         state = RoundState(
-            round_index, committed, num_committed, proposal.draft_tokens, proposal.draft_probs,
+            round_index, committed, num_committed, active, proposal.draft_tokens, proposal.draft_probs,
             _confidences(proposal, tprobs), gen, tprobs,
         )
         lens = _lengths(choose_len, state)
         uniforms = torch.rand(num_seqs, block + 1, generator=gen, dtype=torch.float64)
         result = verify_fn(proposal, logits, lens, sampling, uniforms)
+        if observe is not None:
+            observe(state, lens, result)
         slots = torch.arange(block + 1)[None, :]
         write = (slots <= result.num_accepted[:, None]) & active[:, None]
         columns = torch.where(write, num_committed[:, None] + slots, width - 1)
@@ -335,6 +344,7 @@ def lossless_check(
     seed: int = 0,
     world: World | None = None,
     verify_fn: VerifyFn = verify_with_uniforms,
+    observe: Observe | None = None,
 ) -> ChiSquare:
     """Run speculative decoding under `choose_len` on a random world (V=8,
     trigram target, G=4, disagreeing bigram drafter unless `world` is given)
@@ -343,5 +353,5 @@ def lossless_check(
     draft_table = NgramTable.random(world.vocab, 2, seed + 1000, scale=2.5)
     chosen = TableDrafter(draft_table) if drafter == "table" else PointMassDrafter(draft_table)
     sampling = SamplingTensors.uniform(num_samples, params.temperature, params.top_k, params.top_p)
-    samples = run_speculative(world, chosen, choose_len, sampling, num_tokens, seed, verify_fn)
+    samples = run_speculative(world, chosen, choose_len, sampling, num_tokens, seed, verify_fn, observe)
     return chi_square(samples, exact_joint(world, params, num_tokens), world.vocab)

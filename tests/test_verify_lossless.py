@@ -114,6 +114,36 @@ def test_lossless_mixed_params_in_one_batch():
         assert result.p_value > ALPHA, (params, result)
 
 
+def test_lossless_stateful_policy_through_observe():
+    """A policy that learns from realised acceptances (next verify length =
+    last round's accepted count + 1, per sequence) is still lossless: its
+    decisions depend on past rounds only. 100,000 samples, chi-square,
+    alpha 1e-6."""
+    last = torch.full((SAMPLES,), 4, dtype=torch.int64)
+
+    def choose(state: RoundState) -> torch.Tensor:
+        return last.clamp(max=state.block_size)
+
+    def observe(state: RoundState, lens: torch.Tensor, result: VerifyResult) -> None:
+        last.copy_(result.num_accepted + 1)
+
+    result = lossless_check(choose, SamplingParams(temperature=1.1), num_samples=SAMPLES, seed=22, observe=observe)
+    assert result.p_value > ALPHA, result
+
+
+def test_harness_enumeration_and_chi_square_basics():
+    """The enumerated joint sums to 1 and puts zero mass where top-k forbids;
+    a sample in a zero-probability cell gives p = 0; exact frequencies pass."""
+    world = random_world(seed=23)
+    joint = exact_joint(world, SamplingParams(top_k=2), 3)
+    assert abs(float(joint.sum()) - 1.0) < 1e-12 and int((joint > 0).sum()) <= 8
+    cells = torch.tensor([[a, b, c] for a in range(8) for b in range(8) for c in range(8)])
+    exact = torch.repeat_interleave(cells, (joint * 10_000).round().long(), dim=0)
+    assert chi_square(exact, joint, 8).p_value > 0.5
+    impossible = cells[joint == 0][:1]
+    assert chi_square(torch.cat([exact, impossible]), joint, 8).p_value == 0.0
+
+
 def _appendix_a_world() -> tuple[World, TableDrafter]:
     """Paper Appendix A: vocabulary {A, B} = {0, 1}, p_target = (0.7, 0.3),
     p_draft = (0.5, 0.5) at every position, block size 2."""
