@@ -153,3 +153,12 @@ def test_plot_writes_png(tmp_path):
     path = tmp_path / "sps.png"
     CostTable({1: 0.01, 4: 0.012, 16: 0.03}, key=KEY).plot(path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_schedule_package_imports_no_torch():
+    """dspark.schedule is pure Python: importing it must not pull in torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, dspark.schedule; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
