@@ -9,8 +9,9 @@ k - 1 after), like the Markov confidence head, so c_{k+1} reveals x_k. One
 test uses the harness's true acceptance rates instead (calibrated, also
 dependent on earlier draft tokens only). The S sequences are cut into
 batches of R consecutive sequences; each batch is one engine with its own
-policy object (the asynchronous scheduler keeps per-batch history), and
-request ids are sequence indices, stable across rounds.
+policy object (the asynchronous scheduler keeps per-batch history) driven
+through decide and commit; request ids are sequence indices, stable across
+rounds, and a sequence that has its n tokens leaves its batch.
 
 Statistics: each test draws S independent continuations of n = 3 tokens
 after a fixed prefix and runs Pearson's chi-square test against the exact
@@ -28,8 +29,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from dspark.schedule import CostTable, ScheduleRequest, VerifyPolicy, make_policy
-from dspark.types import SamplingParams
+from dspark.schedule import CostTable, ScheduleOutcome, ScheduleRequest, VerifyPolicy, make_policy
+from dspark.types import SamplingParams, VerifyResult
 from dspark.verify import SamplingTensors
 from lossless_harness import ALPHA, NgramTable, RoundState, TableDrafter, World, chi_square, exact_joint, lossless_check, run_speculative
 
@@ -53,23 +54,34 @@ def true_confidences(state: RoundState) -> torch.Tensor:
 
 
 class PolicyLengths:
-    """A harness `choose_len` that asks one policy object per batch of R sequences."""
+    """A harness `choose_len` (plus `observe`) that drives one policy object
+    per batch of R sequences through decide, then commit. Finished sequences
+    leave their batch (they get length 0 and are not scheduled)."""
 
     def __init__(self, make: Callable[[], VerifyPolicy], batch: int, confidences: ConfidenceFn) -> None:
         self.make, self.batch, self.confidences = make, batch, confidences
         self.policies: dict[int, VerifyPolicy] = {}
-        self.histogram: Counter[int] = Counter()  # verify lengths chosen, over all rounds
+        self.scheduled: dict[int, list[int]] = {}  # batch start -> sequences decided this round
+        self.histogram: Counter[int] = Counter()  # verify lengths chosen for active sequences
 
     def __call__(self, state: RoundState) -> torch.Tensor:
         rows = self.confidences(state).tolist()
-        block = state.block_size
-        lengths: list[int] = []
+        active = state.active.tolist()
+        lengths = [0] * len(rows)
         for start in range(0, len(rows), self.batch):
             policy = self.policies.get(start) or self.policies.setdefault(start, self.make())
-            requests = [ScheduleRequest(i, block, rows[i]) for i in range(start, min(start + self.batch, len(rows)))]
-            lengths.extend(policy.decide(requests))
-        self.histogram.update(lengths)
+            ids = [i for i in range(start, min(start + self.batch, len(rows))) if active[i]]
+            decided = policy.decide([ScheduleRequest(i, state.block_size, rows[i]) for i in ids])
+            for i, length in zip(ids, decided):
+                lengths[i] = length
+            self.scheduled[start] = ids
+            self.histogram.update(decided)
         return torch.tensor(lengths, dtype=torch.int64)
+
+    def observe(self, state: RoundState, lens: torch.Tensor, result: VerifyResult) -> None:
+        verify_lens, accepted = lens.tolist(), result.num_accepted.tolist()
+        for start, ids in self.scheduled.items():
+            self.policies[start].commit([ScheduleOutcome(i, verify_lens[i], accepted[i]) for i in ids])
 
 
 # ---- a random world: V = 8 trigram target, disagreeing bigram drafter, G = 4 ----
@@ -96,7 +108,7 @@ def test_policy_is_lossless_on_a_random_world(case):
     nothing about the scheduler."""
     make, batch, confidences = CASES[case]
     choose = PolicyLengths(make, batch, confidences)
-    result = lossless_check(choose, SamplingParams(temperature=1.0), num_samples=SAMPLES, seed=31)
+    result = lossless_check(choose, SamplingParams(temperature=1.0), num_samples=SAMPLES, seed=31, observe=choose.observe)
     assert result.p_value > ALPHA, (case, result)
     total = sum(choose.histogram.values())
     assert len(choose.histogram) >= 2 and max(choose.histogram.values()) < 0.9 * total, choose.histogram
@@ -118,7 +130,9 @@ def run_appendix_a(make: Callable[[], VerifyPolicy], seed: int) -> tuple[float, 
     world = World(NgramTable.constant([0.7, 0.3]), (0,), 2)
     drafter = TableDrafter(NgramTable.constant([0.5, 0.5]))
     choose = PolicyLengths(make, 1, appendix_confidences)
-    samples = run_speculative(world, drafter, choose, SamplingTensors.uniform(APPENDIX_SAMPLES), 3, seed)
+    samples = run_speculative(
+        world, drafter, choose, SamplingTensors.uniform(APPENDIX_SAMPLES), 3, seed, observe=choose.observe
+    )
     result = chi_square(samples, exact_joint(world, SamplingParams(), 3), 2)
     return result.p_value, samples, choose
 
