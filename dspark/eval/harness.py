@@ -92,15 +92,27 @@ def run_conversation(
     return results
 
 
-def context_needed(tokenizer, suites: dict[str, list[Prompt]], max_new_tokens: int) -> int:
-    """KV-cache length that fits every conversation: its turns, every answer and
-    the template overhead of each turn."""
-    need = 1
-    for prompts in suites.values():
-        for p in prompts:
-            turns = sum(len(chat_ids(tokenizer, [{"role": "user", "content": t}])) for t in p.turns)
-            need = max(need, turns + len(p.turns) * (max_new_tokens + CONTEXT_MARGIN))
-    return need
+def conversation_length(tokenizer, prompt: Prompt, max_new_tokens: int) -> int:
+    """Most tokens a conversation can need: its turns, every answer and the chat
+    template's overhead per turn."""
+    turns = sum(len(chat_ids(tokenizer, [{"role": "user", "content": t}])) for t in prompt.turns)
+    return turns + len(prompt.turns) * (max_new_tokens + CONTEXT_MARGIN)
+
+
+def fit_context(
+    tokenizer, suites: dict[str, list[Prompt]], max_new_tokens: int, context: int
+) -> tuple[dict[str, list[Prompt]], dict[str, list[str]], int]:
+    """Drop conversations that cannot fit the target's context.
+
+    Returns the kept prompts per benchmark, the ids skipped per benchmark, and
+    the KV-cache length the kept ones need."""
+    kept, skipped, need = {}, {}, 1
+    for name, prompts in suites.items():
+        lengths = [conversation_length(tokenizer, p, max_new_tokens) for p in prompts]
+        kept[name] = [p for p, n in zip(prompts, lengths) if n <= context]
+        skipped[name] = [p.id for p, n in zip(prompts, lengths) if n > context]
+        need = max([need, *(n for n in lengths if n <= context)])
+    return kept, skipped, need
 
 
 @dataclass
@@ -114,9 +126,9 @@ class _Lane:
     policy: RecordingPolicy
     benches: dict[str, BenchResult] = field(default_factory=dict)
 
-    def start(self, name: str, prompts: int) -> BenchResult:
+    def start(self, name: str, prompts: int, skipped: list[str]) -> BenchResult:
         stats = SpecStats(block_size=self.drafter.block_size)
-        self.benches[name] = BenchResult(name, BENCHMARKS[name], prompts, 0, 0, 0.0, stats)
+        self.benches[name] = BenchResult(name, BENCHMARKS[name], prompts, 0, 0, 0.0, stats, skipped=skipped)
         return self.benches[name]
 
     def run(self, bench: BenchResult, prompt: Prompt, params: SamplingParams, index: int) -> int:
@@ -160,15 +172,15 @@ def evaluate(
     shared machine slows all of them alike and tokens/s stay comparable."""
     params = SamplingParams(temperature=settings.temperature, max_new_tokens=settings.max_new_tokens,
                             seed=settings.seed)
-    need = context_needed(tokenizer, suites, settings.max_new_tokens)
     limit = target.config.max_position_embeddings
+    suites, skipped, need = fit_context(tokenizer, suites, settings.max_new_tokens, limit - 64)
     lanes = [_lane(target, tokenizer, label, spec, d, min(limit, need + d.block_size + 1))
              for label, spec, d in drafters]
     total = len(lanes) * sum(len(p.turns) for prompts in suites.values() for p in prompts)
     bar = tqdm(total=total, desc="eval", unit="answer", disable=not progress)
     for name, prompts in suites.items():
         bar.set_postfix_str(name)
-        benches = [lane.start(name, len(prompts)) for lane in lanes]
+        benches = [lane.start(name, len(prompts), skipped[name]) for lane in lanes]
         for index, prompt in enumerate(prompts):
             for lane, bench in zip(lanes, benches):
                 bar.update(lane.run(bench, prompt, params, index))

@@ -62,6 +62,7 @@ class BenchResult:
     seconds: float  # wall time of all generations (prefill included)
     stats: SpecStats
     rounds: list[RoundRecord] = field(default_factory=list)  # only for drafters with confidences
+    skipped: list[str] = field(default_factory=list)  # prompt ids too long for the target's context
 
     @property
     def tau(self) -> float:
@@ -132,6 +133,12 @@ class EvalRun:
             "drafters": [_drafter_dict(d) for d in self.drafters],
             "summary": summary(self),
         }
+
+    def brief(self) -> dict:
+        """One JSON object for `dspark eval --json`: settings, command, summary
+        and where the full record was saved (without per-round records)."""
+        return {"command": self.command, "settings": asdict(self.settings), "summary": summary(self),
+                "saved_to": None if self.saved_path is None else str(self.saved_path)}
 
     def save(self, folder: str | Path) -> Path:
         """Write the run as `<folder>/<created>-<labels>-t<temperature>.json`."""
@@ -225,6 +232,7 @@ def _drafter_dict(d: DrafterRun) -> dict:
             "domain": r.domain, "prompts": r.prompts, "generations": r.generations,
             "generated_tokens": r.generated_tokens, "seconds": r.seconds, "stats": _stats_dict(r.stats),
             "rounds": [[x.verify_len, x.num_accepted, [round(c, 5) for c in x.confidences]] for x in r.rounds],
+            "skipped": r.skipped,
         }
     return {"label": d.label, "spec": d.spec, "kind": d.kind, "block_size": d.block_size,
             "has_confidence": d.has_confidence, "calibration_temperatures": d.calibration_temperatures,
@@ -237,7 +245,7 @@ def _drafter_from(d: dict) -> DrafterRun:
         benches[name] = BenchResult(
             benchmark=name, domain=b["domain"], prompts=b["prompts"], generations=b["generations"],
             generated_tokens=b["generated_tokens"], seconds=b["seconds"], stats=_stats_from(b["stats"]),
-            rounds=[RoundRecord(v, a, list(c)) for v, a, c in b["rounds"]],
+            rounds=[RoundRecord(v, a, list(c)) for v, a, c in b["rounds"]], skipped=list(b.get("skipped", [])),
         )
     return DrafterRun(label=d["label"], spec=d["spec"], kind=d["kind"], block_size=d["block_size"],
                       has_confidence=d["has_confidence"], calibration_temperatures=d["calibration_temperatures"],

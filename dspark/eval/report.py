@@ -19,7 +19,7 @@ from dspark.eval import figures
 from dspark.eval.benchmarks import BENCHMARKS, DOMAINS
 from dspark.eval.records import DrafterRun, EvalRun, domain_means, domain_position_acceptance, load_runs
 from dspark.eval.sweeps import reliability_samples, threshold_sweep
-from dspark.eval.tables import fmt, render, speed_rows, tau_rows
+from dspark.eval.tables import fmt, render, skipped_note, speed_rows, tau_rows
 
 DEFAULT_RESULTS = "docs/eval-runs"
 PAPER_TEMPERATURE = 1.0
@@ -84,6 +84,8 @@ def _runs_section(runs: list[EvalRun]) -> str:
             f"torch {env.get('torch', '?')}, {env.get('threads', '?')} threads",
             "", f"    {run.command}", "",
         ]
+        if skipped_note(run):
+            lines += [skipped_note(run), ""]
     return "\n".join(lines)
 
 

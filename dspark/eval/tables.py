@@ -60,6 +60,17 @@ def acceptance_rows(run: EvalRun) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
+def skipped_note(run: EvalRun) -> str:
+    """Which prompts were left out because they do not fit the target's context."""
+    first = run.drafters[0] if run.drafters else None
+    lists = {n: r.skipped for n, r in (first.benches.items() if first else ()) if r.skipped}
+    if not lists:
+        return ""
+    return "skipped (longer than the target's context): " + "; ".join(
+        f"{DISPLAY_NAMES[n]} {len(ids)} ({', '.join(ids[:3])}{', ...' if len(ids) > 3 else ''})"
+        for n, ids in lists.items())
+
+
 def format_eval(run: EvalRun, markdown: bool = False) -> str:
     """The run as readable tables: tau (Table 1 layout), conditional acceptance
     per position, tokens/s; with the command that made it."""
@@ -77,4 +88,7 @@ def format_eval(run: EvalRun, markdown: bool = False) -> str:
         render(*speed_rows(run), markdown),
         f"command: {run.command}",
     ]
+    skipped = skipped_note(run)
+    if skipped:
+        parts.insert(-1, skipped)
     return "\n\n".join(parts)
