@@ -151,3 +151,19 @@ def test_api_key_is_required_when_set():
         out = srv.client(api_key="sekret").completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0)
         assert out.choices[0].finish_reason in ("stop", "length")
         srv.wait_idle()
+
+
+def test_engine_failure_is_a_500_and_the_server_keeps_serving(server):
+    drafter = server.engine.drafter  # SlowDrafter: fail_next makes the next propose raise
+    body = _completion(prompt="boom", max_tokens=30, ignore_eos=True)
+    drafter.fail_next = True
+    err = _assert_error(_post(server, "/v1/completions", body), 500)
+    assert err["type"] == "server_error" and "injected drafter failure" in err["message"]
+    drafter.fail_next = True
+    with pytest.raises(openai.APIError, match="injected drafter failure"):
+        list(server.client().completions.create(model=MODEL, prompt="boom", max_tokens=30, stream=True,
+                                                extra_body={"ignore_eos": True}))
+    assert not drafter.fail_next
+    server.wait_idle()
+    out = server.client().completions.create(model=MODEL, prompt="fine", max_tokens=3, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length")

@@ -13,9 +13,10 @@ requests that can verify it, R = ceil(B / (1 + G)), each verifying 1 + l_r
 tokens (l_r <= G, as even as possible). One timed step is the drafter's
 batched `propose` for those R requests plus the ragged target forward over
 the B tokens (with logits for all B rows and the drafter's tapped layers, as
-the engine asks). Each budget runs `warmup` untimed steps, then the median of
-`repeats` timed ones; after every step the scratch slots roll back to the
-context, and everything is released at the end. Verification sampling and
+the engine asks). `warmup` untimed steps at the largest budget come first
+(they touch every buffer once); each budget is then the median of `repeats`
+timed steps. After every step the scratch slots roll back to the context, and
+everything is released at the end. Verification sampling and
 Python bookkeeping of a real step are not included.
 """
 
@@ -57,9 +58,9 @@ class ProfileSettings:
     max_requests: int = 16  # most synthetic requests R in one step (1..256)
     max_budget: int | None = None  # largest B measured; None: max_requests * (1 + G)
     repeats: int = 3  # timed steps per budget, median taken (1..50)
-    warmup: int = 1  # untimed steps per budget before timing (0..10)
-    dense_until: int = 16  # measure every B up to this, then a geometric grid (>= 1)
-    ratio: float = 1.25  # geometric grid ratio past dense_until (1 < ratio <= 4)
+    warmup: int = 2  # untimed steps at the largest budget before any timing (0..10)
+    dense_until: int = 8  # measure every B up to this, then a geometric grid (>= 1)
+    ratio: float = 1.3  # geometric grid ratio past dense_until (1 < ratio <= 4)
 
     def __post_init__(self) -> None:
         checks = [
@@ -239,11 +240,15 @@ class StepBench:
             self.cache.truncate(slot, self.context_len)  # roll back to the context
         return seconds
 
-    def measure(self, budget: int) -> float:
-        """Median seconds of one step verifying `budget` tokens (after warm-up)."""
+    def warm_up(self, budget: int) -> None:
+        """`settings.warmup` untimed steps verifying `budget` tokens."""
         lens = split_budget(budget, self.drafter.block_size, self.settings.max_requests)
         for _ in range(self.settings.warmup):
             self.step_seconds(lens)
+
+    def measure(self, budget: int) -> float:
+        """Median seconds of one step verifying `budget` tokens."""
+        lens = split_budget(budget, self.drafter.block_size, self.settings.max_requests)
         return statistics.median(self.step_seconds(lens) for _ in range(self.settings.repeats))
 
     def close(self) -> None:
@@ -294,6 +299,7 @@ def profile_engine(
         if bench is None:  # built lazily: a cache hit never touches the model
             context = synthetic_context(settings.context_len, target.config.vocab_size, tokenizer)
             bench = StepBench(target, drafter, settings, context)
+            bench.warm_up(max(budgets))
         return bench.measure(budget)
 
     try:
