@@ -133,10 +133,11 @@ class ServerHandle:
 
 
 @contextmanager
-def running_server(engine: Engine, model_name: str = "tiny-test", **app_kw):
-    """Serve `engine` with uvicorn on 127.0.0.1 and a free port, in a thread."""
-    async_engine = AsyncEngine(engine)
-    app = create_app(async_engine, CharTokenizer(), model_name, **app_kw)
+def running_server(engine: Engine | AsyncEngine, model_name: str = "tiny-test", tokenizer=None, **app_kw):
+    """Serve `engine` with uvicorn on 127.0.0.1 and a free port, in a thread
+    (with the character tokenizer unless another is given)."""
+    async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
+    app = create_app(async_engine, tokenizer or CharTokenizer(), model_name, **app_kw)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

@@ -140,3 +140,17 @@ def test_synthetic_context_uses_the_tokenizer_when_given():
     assert len(ids) == 300 and CharTokenizer().decode(ids).startswith("The river town")
     pseudo = synthetic_context(100, 50)
     assert len(pseudo) == 100 and all(0 <= t < 50 for t in pseudo) and pseudo == synthetic_context(100, 50)
+
+
+def test_run_profile_prints_the_table_and_plots(tmp_path, capsys):
+    from dspark.engine.profile import run_profile
+    from dspark.models.tiny import tiny_hf_folder
+
+    folder = tiny_hf_folder(tmp_path, seed=4, vocab_size=96)
+    png = tmp_path / "sps.png"
+    table = run_profile(str(folder), "ngram", home=tmp_path / "home", block_size=3, settings=SMALL, out_png=png)
+    out = capsys.readouterr().out
+    assert "measured in" in out and "ms/step" in out and png.stat().st_size > 0
+    assert table.budgets == SMALL.budgets(3) and "tiny-llama-4" in table.key.model
+    again = run_profile(str(folder), "ngram", home=tmp_path / "home", block_size=3, settings=SMALL, out_png=png)
+    assert "reused" in capsys.readouterr().out and again.points() == table.points()
