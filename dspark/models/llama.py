@@ -27,8 +27,19 @@ from torch import nn
 
 from dspark.models.config import TargetConfig
 from dspark.models.kv_cache import KVCache
-from dspark.models.layers import RMSNorm, linear, rope_cos_sin, apply_rope
+from dspark.models.layers import RMSNorm, apply_rope, linear, rope_cos_sin
 from dspark.types import RaggedBatch, TargetOutput
+
+
+def _proj(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, in] @ weight.T: `F.linear` (one op) except for 2-3 rows, where its MKL path
+    is slow on CPU and `linear()` (W @ x.T) is used instead."""
+    return linear(x, weight, bias) if 2 <= x.shape[0] <= 3 else F.linear(x, weight, bias)
+
+
+def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm as one fused op (same float32 result as `RMSNorm.forward`)."""
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
 
 
 @dataclass
@@ -102,14 +113,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, plan: AttentionPlan, cache: KVCache, layer: int) -> torch.Tensor:
         """x [N, D] -> attention output [N, D]; writes the new keys/values into `cache`."""
         n, h, hkv, hd = x.shape[0], self.heads, self.kv_heads, self.head_dim
-        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias).view(n, h + 2 * hkv, hd)
+        qkv = _proj(x, self.qkv_proj.weight, self.qkv_proj.bias).view(n, h + 2 * hkv, hd)
         qk = qkv[:, : h + hkv]
         if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
+            qk = torch.cat([_norm(self.q_norm, qk[:, :h]), _norm(self.k_norm, qk[:, h:])], dim=1)
         qk = apply_rope(qk, plan.cos, plan.sin)  # [N, H + Hkv, hd]
         cache.write(layer, plan.write_index, qk[:, h:].reshape(-1, hd), qkv[:, h + hkv :].reshape(-1, hd))
         out = _ragged_attention(qk[:, :h], cache, layer, plan, hkv)  # [N, H * hd]
-        return linear(out, self.o_proj.weight, self.o_proj.bias)
+        return _proj(out, self.o_proj.weight, self.o_proj.bias)
 
 
 def _ragged_attention(q: torch.Tensor, cache: KVCache, layer: int, plan: AttentionPlan, hkv: int) -> torch.Tensor:
@@ -156,9 +167,9 @@ class MLP(nn.Module):
         _split_rows(state, prefix, MLP._names, module.gate_up_proj.sizes, "gate_up_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_proj.weight)
+        gate_up = _proj(x, self.gate_up_proj.weight)
         gate, up = gate_up[..., : self.inner], gate_up[..., self.inner :]
-        return linear(F.silu(gate) * up, self.down_proj.weight)
+        return _proj(F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -170,8 +181,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, plan: AttentionPlan, cache: KVCache, layer: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), plan, cache, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(_norm(self.input_layernorm, x), plan, cache, layer)
+        return x + self.mlp(_norm(self.post_attention_layernorm, x))
 
 
 class Backbone(nn.Module):
@@ -213,7 +224,8 @@ class TargetModel(nn.Module):
 
     def compute_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """LM head: last_hidden [..., D] (final-normed) -> logits [..., V] float32."""
-        return linear(last_hidden.to(self.dtype), self.lm_head_weight).float()
+        h = last_hidden.to(self.dtype)
+        return _proj(h.reshape(-1, h.shape[-1]), self.lm_head_weight).float().reshape(*h.shape[:-1], -1)
 
     def new_cache(self, max_slots: int, max_seq_len: int) -> KVCache:
         """A KV cache shaped for this model, in the model's dtype."""
@@ -245,9 +257,14 @@ class TargetModel(nn.Module):
         if tap_layers:
             by_layer = dict(zip([i for i in range(len(self.model.layers)) if i in tap_layers], taps))
             tapped = torch.stack([by_layer[i] for i in tap_layers], dim=1)  # [N, T, D]
-        rows = hidden if logits_rows is None else hidden.index_select(0, logits_rows)
-        logits = self.compute_logits(self.model.norm(rows))
-        last = self.model.norm(hidden) if want_last_hidden else None
+        last = _norm(self.model.norm, hidden) if want_last_hidden else None  # [N, D]
+        if logits_rows is None:
+            normed = last if last is not None else _norm(self.model.norm, hidden)
+        elif last is not None:
+            normed = last.index_select(0, logits_rows)
+        else:
+            normed = _norm(self.model.norm, hidden.index_select(0, logits_rows))
+        logits = self.compute_logits(normed)  # [M, V]
         return TargetOutput(logits=logits, tapped_hidden=tapped, last_hidden=last)
 
 

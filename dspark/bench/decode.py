@@ -1,0 +1,149 @@
+"""Offline speed of one target forward: the lean runtime (float32 and bfloat16)
+against Hugging Face transformers, for decode steps and verification steps.
+
+Every case prefills `context` tokens per request once, then times a forward of
+`new_tokens` tokens per request, rolling the cache back after each so the
+context stays the same; the reported time is the median over `repeats` steps
+after `warmup` untimed ones.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from dspark.models.loading import LoadedTarget, load_target, read_target_config
+from dspark.types import RaggedBatch
+
+DEFAULT_CASES = ((1, 1), (1, 8), (16, 1), (16, 8))  # (batch, new tokens per request)
+
+
+@dataclass
+class DecodeTiming:
+    runtime: str  # "dspark" (lean) or "transformers"
+    dtype: str  # weight dtype
+    batch: int  # requests in the forward
+    new_tokens: int  # tokens per request in the forward (1 = decode step)
+    ms: float  # median milliseconds per forward
+
+
+def _median_ms(step: Callable[[], None], repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _prompts(vocab: int, batch: int, context: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(3, vocab, (batch, context), generator=gen)  # [batch, context]
+
+
+def time_lean(target: LoadedTarget, batch: int, new_tokens: int, context: int, repeats: int, warmup: int) -> float:
+    """Median ms of one ragged forward of `batch` requests x `new_tokens` at `context`."""
+    model = target.model
+    cache = model.new_cache(batch, context + new_tokens)
+    slots = [cache.allocate() for _ in range(batch)]
+    prompts = _prompts(target.config.vocab_size, batch, context)
+    with torch.inference_mode():
+        for slot, prompt in zip(slots, prompts):
+            model(RaggedBatch(prompt, [slot], [context]), cache, logits_rows=torch.tensor([context - 1]))
+    tokens = _prompts(target.config.vocab_size, batch, new_tokens).reshape(-1)
+    step_batch = RaggedBatch(tokens, slots, [new_tokens] * batch)
+
+    def step() -> None:
+        with torch.inference_mode():
+            model(step_batch, cache)
+        for slot in slots:
+            cache.truncate(slot, context)
+
+    return _median_ms(step, repeats, warmup)
+
+
+def time_transformers(hf_model, vocab: int, batch: int, new_tokens: int, context: int, repeats: int, warmup: int) -> float:
+    """The same measurement with transformers' own forward and DynamicCache (equal-length batch)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.inference_mode():
+        hf_model(_prompts(vocab, batch, context), past_key_values=cache, use_cache=True)
+    tokens = _prompts(vocab, batch, new_tokens)
+
+    def step() -> None:
+        with torch.inference_mode():
+            hf_model(tokens, past_key_values=cache, use_cache=True)
+        cache.crop(-new_tokens)  # transformers 5: a negative count of tokens to drop
+
+    return _median_ms(step, repeats, warmup)
+
+
+def run_decode_bench(
+    target: str | None = None,
+    repeats: int = 10,
+    *,
+    context: int = 256,
+    cases: tuple[tuple[int, int], ...] = DEFAULT_CASES,
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
+    include_transformers: bool = True,
+    warmup: int = 2,
+    home: str | None = None,
+    print_fn: Callable[[str], None] | None = print,
+) -> dict:
+    """Time the target forward in each (batch, new tokens) case; print a table and return
+    {"target", "context", "repeats", "threads", "timings": [DecodeTiming as dict, ...]}."""
+    timings: list[DecodeTiming] = []
+    folder = None
+    for dtype in dtypes:
+        loaded = load_target(target, home=home, dtype=dtype)
+        folder = loaded.path
+        for batch, q in cases:
+            ms = time_lean(loaded, batch, q, context, repeats, warmup)
+            timings.append(DecodeTiming("dspark", str(dtype).removeprefix("torch."), batch, q, ms))
+        del loaded
+    if include_transformers:
+        from transformers import AutoModelForCausalLM
+
+        if folder is None:
+            folder = load_target(target, home=home).path
+        hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        vocab = read_target_config(folder).vocab_size
+        for batch, q in cases:
+            ms = time_transformers(hf_model, vocab, batch, q, context, repeats, warmup)
+            timings.append(DecodeTiming("transformers", "float32", batch, q, ms))
+    result = {
+        "target": str(folder),
+        "context": context,
+        "repeats": repeats,
+        "threads": torch.get_num_threads(),
+        "timings": [asdict(t) for t in timings],
+    }
+    if print_fn is not None:
+        print_fn(format_table(result))
+    return result
+
+
+def format_table(result: dict) -> str:
+    """Markdown table: one row per runtime/dtype, one column per (batch, new tokens) case."""
+    timings = result["timings"]
+    cases = list(dict.fromkeys((t["batch"], t["new_tokens"]) for t in timings))
+    runtimes = list(dict.fromkeys((t["runtime"], t["dtype"]) for t in timings))
+    ms = {(t["runtime"], t["dtype"], t["batch"], t["new_tokens"]): t["ms"] for t in timings}
+    header = "| runtime | dtype | " + " | ".join(f"batch {b}, q={q}" for b, q in cases) + " |"
+    lines = [
+        f"ms per target forward, context {result['context']}, median of {result['repeats']}, "
+        f"{result['threads']} threads",
+        header,
+        "|" + "---|" * (2 + len(cases)),
+    ]
+    for runtime, dtype in runtimes:
+        cells = [f"{ms[(runtime, dtype, b, q)]:.1f}" if (runtime, dtype, b, q) in ms else "-" for b, q in cases]
+        lines.append(f"| {runtime} | {dtype} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
