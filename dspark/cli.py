@@ -41,6 +41,26 @@ def _parser() -> argparse.ArgumentParser:
     _add_target_args(g)
     _add_sampling_args(g)
 
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--drafter", default="default", help="none | ngram | default | PATH")
+    s.add_argument("--policy", default="dspark", help="none, fixed, threshold, dspark, dspark-async")
+    s.add_argument("--threshold", type=float, default=0.5, help="survival threshold for --policy threshold")
+    s.add_argument("--block-size", type=int, default=None, help="draft tokens per round (model-free drafters)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--max-running", type=int, default=32, help="requests decoding at once")
+    s.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens per request")
+    s.add_argument("--kv-budget-tokens", type=int, default=65536, help="KV-cache tokens across requests")
+    _add_target_args(s)
+
+    pr = sub.add_parser("profile", help="measure (or show the cached) steps-per-second curve SPS(B)")
+    pr.add_argument("--drafter", default="default")
+    pr.add_argument("--block-size", type=int, default=None)
+    pr.add_argument("--out", default=None, help="PNG plot path (default: next to the cached table)")
+    pr.add_argument("--refresh", action="store_true", help="measure again even if a cached table matches")
+    _add_target_args(pr)
+
     b = sub.add_parser("bench", help="benchmarks that print numbers")
     bsub = b.add_subparsers(dest="bench", required=True)
     bd = bsub.add_parser("decode", help="lean runtime vs transformers step time, greedy tokens/s, ngram speedup")
@@ -81,6 +101,8 @@ def cmd_generate(args) -> int:
     if args.block_size is not None and not (1 <= args.block_size <= 64):
         raise UserError(f"--block-size must be in 1..64, got {args.block_size}")
     loaded = load_target(args.target, home=args.home, dtype=_dtype(args.dtype))
+    if loaded.tokenizer is None:
+        raise UserError(f"the target folder {loaded.path} has no tokenizer files; add them (tokenizer.json) to generate text")
     drafter = load_drafter(args.drafter, loaded.model, block_size=args.block_size, embedded=args.target is None)
     prompt_ids = encode_prompt(loaded.tokenizer, args.prompt, chat=args.chat)
     policy = build_policy(args.policy, block_size=drafter.block_size)
@@ -111,6 +133,30 @@ def encode_prompt(tokenizer, text: str, *, chat: bool) -> list[int]:
     return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
 
 
+def cmd_serve(args) -> int:
+    from dspark.engine.engine import EngineConfig
+    from dspark.server import run_server
+
+    config = EngineConfig(
+        max_running=args.max_running, max_seq_len=args.max_seq_len, kv_budget_tokens=args.kv_budget_tokens
+    )
+    run_server(
+        args.target, args.drafter, args.policy, args.host, args.port, args.api_key, home=args.home,
+        dtype=args.dtype, block_size=args.block_size, threshold=args.threshold, engine_config=config,
+    )
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from dspark.engine.profile import run_profile
+
+    run_profile(
+        args.target, args.drafter, home=args.home, dtype=args.dtype, block_size=args.block_size,
+        out_png=args.out, refresh=args.refresh,
+    )
+    return 0
+
+
 def cmd_bench(args) -> int:
     if args.bench == "decode":
         from dspark.bench.decode_cli import run
@@ -119,7 +165,12 @@ def cmd_bench(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench}
+COMMANDS = {
+    "generate": cmd_generate,
+    "serve": cmd_serve,
+    "profile": cmd_profile,
+    "bench": cmd_bench,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

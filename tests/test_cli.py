@@ -1,0 +1,78 @@
+"""Bad input on the command line: one line naming the problem and the fix,
+exit status 2, no traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dspark.cli import main
+from dspark.models.tiny import tiny_hf_folder
+
+
+def _error(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dspark: error: "), err
+    assert "Traceback" not in err[0]
+    return err[0]
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--top-k", "-3"], "top_k"),
+        (["--max-new-tokens", "0"], "max_new_tokens"),
+        (["--block-size", "0"], "block-size"),
+    ],
+)
+def test_bad_sampling_flags(capsys, extra, needle):
+    assert needle in _error(capsys, ["generate", "--prompt", "hi", *extra])
+
+
+def test_empty_prompt(capsys):
+    assert "empty" in _error(capsys, ["generate", "--prompt", "   "])
+
+
+def test_missing_model_folder(capsys, tmp_path):
+    msg = _error(capsys, ["generate", "--prompt", "hi", "--target", str(tmp_path / "nope")])
+    assert "does not exist" in msg
+
+
+def test_corrupt_model_files(capsys, tmp_path):
+    folder = tiny_hf_folder(tmp_path, seed=1)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    assert "model.safetensors" in _error(capsys, ["generate", "--prompt", "hi", "--target", str(folder)])
+    (folder / "config.json").write_text("{not json")
+    assert "config.json" in _error(capsys, ["generate", "--prompt", "hi", "--target", str(folder)])
+
+
+def test_folder_without_tokenizer(capsys, tmp_path):
+    folder = tiny_hf_folder(tmp_path, seed=1)
+    assert "tokenizer" in _error(capsys, ["generate", "--prompt", "hi", "--target", str(folder)])
+
+
+@pytest.mark.slow
+def test_unknown_drafter_and_long_prompt_on_embedded_model(capsys):
+    msg = _error(capsys, ["generate", "--prompt", "hi", "--drafter", "no-such-drafter"])
+    assert "unknown drafter" in msg and "ngram" in msg
+    msg = _error(capsys, ["generate", "--prompt", "word " * 9000, "--drafter", "none"])
+    assert "context" in msg
+
+
+@pytest.mark.slow
+def test_ngram_and_none_print_identical_greedy_tokens(capsys):
+    outs = []
+    for drafter in ("ngram", "none"):
+        argv = ["generate", "--chat", "--prompt", "List the numbers from 1 to 20, separated by commas.",
+                "--drafter", drafter, "--temperature", "0", "--max-new-tokens", "48", "--json"]
+        assert main(argv) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0]["token_ids"] == outs[1]["token_ids"] and outs[0]["num_generated"] == 48
+    assert set(outs[0]["stats"]) == {"rounds", "draft_tokens", "accepted_tokens", "mean_accepted_length", "per_position_acceptance"}
+    assert outs[0]["stats"]["accepted_tokens"] > 0  # the list repeats itself: prompt lookup must hit
