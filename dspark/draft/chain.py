@@ -95,6 +95,8 @@ class ChainDrafter(nn.Module, TrainableDrafter):
         if tapped_hidden is None:
             raise ValueError(f"{self.name} needs the target's hidden states of layers {self.tap_layers}")
         lengths = [int(t.shape[0]) for t in token_ids]
+        if lengths != [int(h.shape[0]) for h in tapped_hidden]:
+            raise ValueError("observe needs one hidden-state row per committed token")
         if sum(lengths) == 0:
             return
         feats = self.feature(torch.cat(list(tapped_hidden)).to(self.device))  # [N, D]

@@ -80,10 +80,11 @@ class DSparkDrafter(ParallelBackbone, TrainableDrafter):
 
     @torch.no_grad()
     def observe(self, states, token_ids, tapped_hidden) -> None:  # noqa: D102
-        del token_ids  # the backbone conditions on target features only
         if tapped_hidden is None:
             raise ValueError(f"{self.name} needs the target's hidden states of layers {self.tap_layers}")
         lengths = [int(h.shape[0]) for h in tapped_hidden]
+        if lengths != [int(t.shape[0]) for t in token_ids]:
+            raise ValueError("observe needs one hidden-state row per committed token")
         if sum(lengths) == 0:
             return
         hidden = torch.cat(list(tapped_hidden)).to(self.device)  # [N, T, D]

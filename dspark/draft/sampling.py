@@ -75,7 +75,8 @@ def sample_sequential(
     cand_logits = candidates = None
     if 0 < top_k < v:
         cand_logits, candidates = base_logits.topk(top_k, dim=-1)  # [R, G, K]
-    probs = base_logits.new_zeros(r, g, v)
+    # every row is written in full on the whole-vocabulary path; zeros are needed only with top_k
+    probs = base_logits.new_empty(r, g, v) if candidates is None else base_logits.new_zeros(r, g, v)
     tokens = torch.empty(r, g, dtype=torch.int64, device=base_logits.device)
     state = head.start_state(r)
     prev = anchors

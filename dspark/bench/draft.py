@@ -1,0 +1,158 @@
+"""Offline speed of one DSpark drafting round, split into the parallel stage
+(backbone + LM head) and the sequential stage (left-to-right sampling loop
++ confidence head), for several block sizes and batch sizes, next to the
+target's verification forward of the same block.
+
+Each case observes `context` random target features per request once, then
+times `propose` (median of `repeats` after `warmup`), its two stages
+separately, the sequential stage with the top-K transition restriction, the
+per-round `observe` of a typical accepted prefix, and (when the target can
+run) one target forward of batch x (G + 1) tokens with the drafter's tapped
+layers, rolled back after each repeat. Weights are random: speed does not
+depend on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from dspark.draft.dspark import DSparkDrafter
+from dspark.draft.factory import build_drafter, drafter_size
+from dspark.types import RaggedBatch, SamplingParams
+
+
+def _median_ms(step: Callable[[], object], repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _observed_states(drafter: DSparkDrafter, batch: int, context: int) -> list:
+    gen = torch.Generator().manual_seed(0)
+    t, d = len(drafter.tap_layers), drafter.target_config.hidden_size
+    states = [drafter.new_state() for _ in range(batch)]
+    hidden = [torch.randn(context, t, d, generator=gen) for _ in range(batch)]
+    tokens = [torch.zeros(context, dtype=torch.int64) for _ in range(batch)]
+    drafter.observe(states, tokens, hidden)
+    return states
+
+
+def _time_drafter(drafter: DSparkDrafter, batch: int, context: int, repeats: int, warmup: int, top_ks) -> dict:
+    g = drafter.block_size
+    states = _observed_states(drafter, batch, context)
+    anchors = torch.arange(batch, dtype=torch.int64) + 20
+    params = [SamplingParams(temperature=1.0)] * batch
+    gens = [torch.Generator().manual_seed(i) for i in range(batch)]
+    temps = torch.ones(batch)
+    uniforms = torch.rand(batch, g)
+    block = drafter.draft_block(states, anchors)
+
+    def sequential():
+        tokens, _ = drafter.sample(block, anchors, temps, uniforms)
+        drafter.confidences(block.hidden, anchors, tokens)
+
+    row = {
+        "propose_ms": _median_ms(lambda: drafter.propose(states, anchors, params, gens), repeats, warmup),
+        "backbone_ms": _median_ms(lambda: drafter.draft_block(states, anchors), repeats, warmup),
+        "sequential_ms": _median_ms(sequential, repeats, warmup),
+    }
+    base_config = drafter.config
+    for k in top_ks:
+        drafter.config = dataclasses.replace(base_config, transition_top_k=k)
+        row[f"sequential_top{k}_ms"] = _median_ms(sequential, repeats, warmup)
+    drafter.config = base_config
+    accepted = g // 2 + 1
+    new_hidden = [torch.randn(accepted, len(drafter.tap_layers), drafter.target_config.hidden_size)] * batch
+    new_tokens = [torch.zeros(accepted, dtype=torch.int64)] * batch
+
+    def observe():
+        drafter.observe(states, new_tokens, new_hidden)
+        for s in states:
+            drafter.truncate(s, context)
+
+    row["observe_ms"] = _median_ms(observe, repeats, warmup)
+    row["sequential_share"] = row["sequential_ms"] / row["propose_ms"]
+    return row
+
+
+def _time_verify(target, batch: int, new_tokens: int, context: int, taps, repeats: int, warmup: int) -> float:
+    """Median ms of the target forward that verifies `new_tokens` per request."""
+    cache = target.new_cache(batch, context + new_tokens)
+    slots = [cache.allocate() for _ in range(batch)]
+    gen = torch.Generator().manual_seed(1)
+    vocab = target.config.vocab_size
+    with torch.inference_mode():
+        for slot in slots:
+            prompt = torch.randint(3, vocab, (context,), generator=gen)
+            target(RaggedBatch(prompt, [slot], [context]), cache, logits_rows=torch.tensor([context - 1]))
+    step_batch = RaggedBatch(torch.randint(3, vocab, (batch * new_tokens,), generator=gen), slots, [new_tokens] * batch)
+
+    def step() -> None:
+        with torch.inference_mode():
+            target(step_batch, cache, tap_layers=taps)
+        for slot in slots:
+            cache.truncate(slot, context)
+
+    return _median_ms(step, repeats, warmup)
+
+
+def run_draft_bench(
+    target,
+    *,
+    gammas: tuple[int, ...] = (4, 8, 16),
+    batches: tuple[int, ...] = (1, 16),
+    context: int = 256,
+    repeats: int = 5,
+    warmup: int = 1,
+    top_ks: tuple[int, ...] = (256,),
+    verify: bool = True,
+    drafter_config: dict | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Time DSpark drafting rounds on `target` (a TargetModel; its forward is
+    used only when verify=True) -> {"drafter": ..., "cases": [...]}."""
+    cases = []
+    sizes = None
+    log(f"{'G':>3} {'R':>3} | {'propose':>8} {'backbone':>8} {'seq':>7} {'seq%':>5} "
+        + " ".join(f"{'seqK' + str(k):>8}" for k in top_ks) + f" {'observe':>8} | {'verify':>8}  (ms)")
+    for gamma in gammas:
+        drafter = build_drafter("dspark", target.config, target.embed_tokens, target.lm_head_weight,
+                                **{**(drafter_config or {}), "block_size": gamma})
+        sizes = sizes or drafter_size(drafter)
+        for batch in batches:
+            row = {"block_size": gamma, "batch": batch, **_time_drafter(drafter, batch, context, repeats, warmup, top_ks)}
+            if verify:
+                row["verify_ms"] = _time_verify(target, batch, gamma + 1, context, drafter.tap_layers, repeats, warmup)
+            cases.append(row)
+            log(f"{gamma:>3} {batch:>3} | {row['propose_ms']:8.2f} {row['backbone_ms']:8.2f} "
+                f"{row['sequential_ms']:7.2f} {100 * row['sequential_share']:4.0f}% "
+                + " ".join(f"{row[f'sequential_top{k}_ms']:8.2f}" for k in top_ks)
+                + f" {row['observe_ms']:8.2f} | {row.get('verify_ms', float('nan')):8.2f}")
+    params, fp16_bytes = sizes
+    return {
+        "drafter": {"params": params, "fp16_mb": fp16_bytes / 1e6, "config": drafter_config or {}},
+        "context": context,
+        "threads": torch.get_num_threads(),
+        "cases": cases,
+    }
+
+
+def main() -> None:
+    """Run on the embedded SmolLM2-135M target (no argument parsing: the CLI wraps run_draft_bench)."""
+    from dspark.models.loading import load_target
+
+    run_draft_bench(load_target(None).model)
+
+
+if __name__ == "__main__":
+    main()
