@@ -1,0 +1,192 @@
+"""The load benchmark's results: per-level points, their means over repeats,
+the paper's serving goals checked against them, JSON, figures and a
+markdown table.
+
+Goals (paper 5.3-5.4, as the project states them):
+  1. at every concurrency the DSpark scheduler's aggregate throughput is at
+     least the larger of no-speculation's and fixed-k's, within measured
+     noise: margin = sched - max(nospec, fixed) >= -noise, noise being the
+     standard deviation of a difference of two single measurements,
+     sqrt(sd_sched^2 + sd_best^2), from the repeats (1 repeat: no noise
+     estimate, the margin must be >= 0);
+  2. at matched aggregate throughput, per-user speed >= 1.6x MTP-1's: at
+     every MTP-1 closed-loop point whose throughput lies inside the
+     scheduler's measured throughput range, the scheduler's tokens/s/user is
+     interpolated (linearly, along its points sorted by throughput) and
+     divided by MTP-1's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def environment() -> dict:
+    """Machine conditions, recorded before and after a run."""
+    import torch
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (math.nan,) * 3
+    return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "loadavg_1_5_15": [round(x, 2) for x in load]}
+
+
+@dataclass(frozen=True)
+class GoalRoles:
+    """Which arms play which part in the goals."""
+
+    schedulers: tuple[str, ...] = ("dspark", "dspark-async")
+    nospec: str = "nospec"
+    fixed: str = "dspark-k7"
+    mtp: str = "mtp1"
+    speedup: float = 1.6  # goal 2: per-user speed ratio at matched throughput
+
+
+def _mean(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def aggregate(points: list) -> list[dict]:
+    """Means (and the throughput's standard deviation) over repeats, per (arm, pattern, level)."""
+    groups: dict[tuple, list] = defaultdict(list)
+    for p in points:
+        groups[(p.arm, p.pattern, p.level)].append(p)
+    rows = []
+    for (arm, pattern, level), ps in groups.items():
+        tput = [p.throughput for p in ps]
+        rows.append({
+            "arm": arm, "pattern": pattern, "level": level, "repeats": len(ps),
+            "throughput": statistics.fmean(tput), "throughput_sd": statistics.stdev(tput) if len(tput) > 1 else None,
+            "tps_user": _mean([p.tps_user_mean for p in ps]), "ttft_p50_s": _mean([p.ttft_p50_s for p in ps]),
+            "tpot_mean_s": _mean([p.tpot_mean_s for p in ps]), "verify_budget": _mean([p.verify_budget for p in ps]),
+            "verify_length": _mean([p.verify_length for p in ps]),
+            "acceptance_length": _mean([p.acceptance_length for p in ps]),
+            "completed": sum(p.completed for p in ps), "failed": sum(p.failed for p in ps),
+            "cut": sum(p.cut for p in ps),
+        })
+    return rows
+
+
+def _row(rows: list[dict], arm: str, level: float) -> dict | None:
+    return next((r for r in rows if r["arm"] == arm and r["pattern"] == "closed" and r["level"] == level), None)
+
+
+def throughput_goal(rows: list[dict], scheduler: str, roles: GoalRoles) -> dict:
+    """Goal 1 for one scheduler arm (see the module docstring)."""
+    need = [scheduler, roles.nospec, roles.fixed]
+    levels = sorted({r["level"] for r in rows if r["pattern"] == "closed" and r["arm"] == scheduler})
+    checks = []
+    for level in levels:
+        sched, base = _row(rows, scheduler, level), [_row(rows, a, level) for a in need[1:]]
+        base = [b for b in base if b is not None]
+        if len(base) < 2:
+            continue
+        best = max(base, key=lambda r: r["throughput"])
+        sds = [sched["throughput_sd"], best["throughput_sd"]]
+        noise = None if None in sds else math.hypot(*sds)
+        margin = sched["throughput"] - best["throughput"]
+        checks.append({"concurrency": level, "scheduler": sched["throughput"], "best_baseline": best["arm"],
+                       "baseline": best["throughput"], "margin": margin, "noise": noise,
+                       "met": margin >= -(noise or 0.0)})
+    if not checks:
+        return {"goal": "throughput", "arm": scheduler, "status": "not measurable",
+                "why": f"needs closed-loop points of {', '.join(need)} at the same concurrency"}
+    return {"goal": "throughput", "arm": scheduler, "status": "met" if all(c["met"] for c in checks) else "missed",
+            "checks": checks}
+
+
+def _interp(x: float, xs: list[float], ys: list[float]) -> float:
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[0] if x <= xs[0] else ys[-1]
+
+
+def matched_speed_goal(rows: list[dict], scheduler: str, roles: GoalRoles) -> dict:
+    """Goal 2 for one scheduler arm (see the module docstring)."""
+    def curve(arm: str) -> list[tuple[float, float]]:
+        return sorted((r["throughput"], r["tps_user"]) for r in rows
+                      if r["arm"] == arm and r["pattern"] == "closed" and r["tps_user"] is not None)
+
+    sched, mtp = curve(scheduler), curve(roles.mtp)
+    if len(sched) < 2 or not mtp:
+        return {"goal": "matched_speed", "arm": scheduler, "status": "not measurable",
+                "why": f"needs closed-loop points of {scheduler} (>= 2) and {roles.mtp}"}
+    xs, ys = [t for t, _ in sched], [u for _, u in sched]
+    checks = [{"throughput": t, "mtp_tps_user": u, "scheduler_tps_user": _interp(t, xs, ys),
+               "ratio": _interp(t, xs, ys) / u} for t, u in mtp if xs[0] <= t <= xs[-1] and u > 0]
+    if not checks:
+        return {"goal": "matched_speed", "arm": scheduler, "status": "not measurable",
+                "why": f"no {roles.mtp} throughput inside {scheduler}'s range {xs[0]:.1f}..{xs[-1]:.1f} tok/s"}
+    worst = min(c["ratio"] for c in checks)
+    return {"goal": "matched_speed", "arm": scheduler, "target_ratio": roles.speedup, "min_ratio": worst,
+            "status": "met" if worst >= roles.speedup else "missed", "checks": checks}
+
+
+def check_goals(rows: list[dict], arms: list[dict], roles: GoalRoles = GoalRoles()) -> list[dict]:
+    pending = {a["name"]: a["pending"] for a in arms if a.get("pending")}
+    out = []
+    for scheduler in roles.schedulers:
+        for goal in (throughput_goal, matched_speed_goal):
+            result = goal(rows, scheduler, roles)
+            involved = [scheduler, roles.nospec, roles.fixed] if goal is throughput_goal else [scheduler, roles.mtp]
+            why = [f"{a}: {pending[a]}" for a in involved if a in pending]
+            if result["status"] == "not measurable" and why:
+                result["why"] = "; ".join(why)
+            out.append(result)
+    return out
+
+
+@dataclass
+class LoadReport:
+    mode: str  # "http" | "in-process"
+    settings: dict
+    arms: list[dict]
+    points: list  # LevelPoint
+    skipped: list[dict]
+    command: str | None
+    environment: dict
+    summary: list[dict] = field(default_factory=list)
+    goals: list[dict] = field(default_factory=list)
+    files: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, **kw) -> "LoadReport":
+        report = cls(**kw)
+        report.summary = aggregate(report.points)
+        report.goals = check_goals(report.summary, report.arms)
+        return report
+
+    def as_dict(self) -> dict:
+        return {"kind": "dspark-load-bench", "version": 1, "mode": self.mode, "command": self.command,
+                "settings": self.settings, "environment": self.environment, "arms": self.arms,
+                "summary": self.summary, "goals": self.goals, "skipped": self.skipped,
+                "points": [dataclasses.asdict(p) for p in self.points], "files": self.files}
+
+    def write(self, out_dir: str | Path, name: str) -> None:
+        from dspark.bench.plots import write_load_figures
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.files = {k: str(v) for k, v in write_load_figures(self.summary, out, name).items()}
+        path = out / f"{name}.json"
+        self.files["json"] = str(path)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.as_dict(), indent=1, allow_nan=True) + "\n")
+        tmp.replace(path)
+
+    def markdown(self) -> str:
+        from dspark.bench.tables import format_load_markdown
+
+        return format_load_markdown(self)

@@ -1,0 +1,61 @@
+"""Markdown tables of a load report (printed at the end of a run and pasted
+into docs/LOAD.md together with the command that produced them)."""
+
+from __future__ import annotations
+
+
+def _f(value, fmt: str = ".1f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _level(row: dict) -> str:
+    return f"c={row['level']:g}" if row["pattern"] == "closed" else f"{row['level']:g} req/s"
+
+
+def summary_table(summary: list[dict]) -> str:
+    head = ("| arm | load | repeats | throughput tok/s | tok/s/user | TTFT p50 s | verify budget | tau | "
+            "done / failed / cut |")
+    lines = [head, "|" + "---|" * 9]
+    order = {"closed": 0, "poisson": 1}
+    for r in sorted(summary, key=lambda r: (order[r["pattern"]], r["level"], r["arm"])):
+        sd = "" if r["throughput_sd"] is None else f" ± {r['throughput_sd']:.1f}"
+        lines.append(
+            f"| {r['arm']} | {_level(r)} | {r['repeats']} | {r['throughput']:.1f}{sd} | {_f(r['tps_user'])} | "
+            f"{_f(r['ttft_p50_s'], '.2f')} | {_f(r['verify_budget'], '.2f')} | {_f(r['acceptance_length'], '.2f')} | "
+            f"{r['completed']} / {r['failed']} / {r['cut']} |")
+    return "\n".join(lines)
+
+
+def goal_lines(goals: list[dict]) -> list[str]:
+    lines = []
+    for g in goals:
+        what = ("throughput >= max(nospec, fixed-k) within noise" if g["goal"] == "throughput"
+                else "tok/s/user >= 1.6x MTP-1 at matched throughput")
+        line = f"- {g['arm']}: {what}: **{g['status']}**"
+        if g["status"] == "not measurable":
+            line += f" ({g['why']})"
+        elif g["goal"] == "throughput":
+            worst = min(g["checks"], key=lambda c: c["margin"])
+            noise = "no noise estimate" if worst["noise"] is None else f"noise {worst['noise']:.1f}"
+            line += (f"; worst margin {worst['margin']:+.1f} tok/s at c={worst['concurrency']:g} "
+                     f"(vs {worst['best_baseline']}, {noise})")
+        else:
+            line += f"; smallest ratio {g['min_ratio']:.2f}x over {len(g['checks'])} matched point(s)"
+        lines.append(line)
+    return lines
+
+
+def format_load_markdown(report) -> str:
+    env = report.environment
+    parts = [f"Mode: {report.mode}; wall {env.get('wall_s', 0):.0f} s; load average before "
+             f"{env['before']['loadavg_1_5_15']}, after {env['after']['loadavg_1_5_15']}."]
+    if report.command:
+        parts.append(f"Command: `{report.command}`")
+    parts.append(summary_table(report.summary) if report.summary else "(no point measured)")
+    parts.append("Goals:\n" + "\n".join(goal_lines(report.goals)))
+    pending = [f"- {a['name']}: {a['pending']}" for a in report.arms if a.get("pending")]
+    if pending:
+        parts.append("Pending arms (not run):\n" + "\n".join(pending))
+    if report.skipped:
+        parts.append(f"Skipped {len(report.skipped)} (arm, level) runs: the run's time budget was spent.")
+    return "\n\n".join(parts)
