@@ -66,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     bd = bsub.add_parser("decode", help="lean runtime vs transformers step time, greedy tokens/s, ngram speedup")
     bd.add_argument("--repeats", type=int, default=10)
     bd.add_argument("--max-new-tokens", type=int, default=128)
+    bd.add_argument("--out", default=None, help="also write the report (Markdown) and its JSON here")
     _add_target_args(bd)
     return parser
 
@@ -93,6 +94,7 @@ def cmd_generate(args) -> int:
     from dspark.engine.engine import Engine, EngineConfig
     from dspark.engine.generate import generate
     from dspark.models import load_target
+    from dspark.models.chat import encode_prompt
     from dspark.engine.policy import build_policy
 
     params = _sampling(args)
@@ -119,18 +121,6 @@ def cmd_generate(args) -> int:
             file=sys.stderr,
         )
     return 0
-
-
-def encode_prompt(tokenizer, text: str, *, chat: bool) -> list[int]:
-    """Token ids of a prompt, optionally wrapped in the chat template."""
-    if chat:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
 
 
 def cmd_serve(args) -> int:

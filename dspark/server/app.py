@@ -38,7 +38,8 @@ from dspark.server.protocol import (
     APIError, GenerationRequest, bad, chunk, full_response, new_id, now, parse_chat, parse_completion, usage,
     usage_chunk,
 )
-from dspark.server.textio import TextStream, encode_chat, encode_text
+from dspark.models.chat import encode_chat, encode_text
+from dspark.server.textio import TextStream
 from dspark.types import SamplingParams
 
 log = logging.getLogger("dspark.server")

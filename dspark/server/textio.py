@@ -9,19 +9,7 @@ The tokenizer is duck-typed (a Hugging Face tokenizer, or a test fake) with:
 
 from __future__ import annotations
 
-
-def encode_text(tokenizer, text: str) -> list[int]:
-    """Token ids of a plain-text prompt (no special tokens added)."""
-    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
-
-
-def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a chat, rendered by the tokenizer's chat template with the
-    assistant turn opened."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in transformers 5
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
+from dspark.models.chat import encode_chat, encode_text  # noqa: F401  (re-exported for the server)
 
 
 class TextStream:
