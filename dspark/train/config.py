@@ -143,6 +143,9 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"[features] mode = {cfg.features.mode!r} is unknown; use one of {', '.join(FEATURE_MODES)}")
     if cfg.loss.a_ce + cfg.loss.a_tv + cfg.loss.a_conf <= 0:
         raise UserError("[loss] a_ce + a_tv + a_conf must be > 0; at least one loss term needs a weight")
+    clash = sorted({"block_size", "seed"} & set(cfg.drafter.options))
+    if clash:
+        raise UserError(f"[drafter.options] may not set {', '.join(clash)}; use [drafter] block_size and [run] seed")
     if cfg.drafter.block_size + 2 > cfg.data.max_seq_len:
         raise UserError("[data] max_seq_len must exceed [drafter] block_size + 1")
 

@@ -96,7 +96,8 @@ def run_target(model, sequences: list[torch.Tensor], tap_layers: tuple[int, ...]
             query_lens=[lengths[i] for i in group],
         )
         try:
-            out = model.forward(batch, cache, logits_rows=torch.zeros(0, dtype=torch.int64, device=device),
+            # one logits row (the cheapest the forward allows); block positions are projected in assemble()
+            out = model.forward(batch, cache, logits_rows=torch.zeros(1, dtype=torch.int64, device=device),
                                 tap_layers=tap_layers, want_last_hidden=True)
         finally:
             for slot in slots:

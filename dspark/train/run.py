@@ -1,0 +1,218 @@
+"""Library entry points of `dspark train` and `dspark calibrate` (the CLI
+parses arguments and calls these; they print progress and a summary).
+
+    run_train(config_path, resume=True) -> folder of the trained drafter
+    run_calibrate(drafter_dir, data_dir, ...) -> STS temperatures and metrics
+
+Data-parallel training: launch the same call under `torchrun`; every rank
+reads WORLD_SIZE / RANK / LOCAL_RANK from torchrun's environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dspark.errors import UserError
+from dspark.train.anchors import make_batch, sample_seed
+from dspark.train.calibrate import DEFAULT_BINS, plot_reliability, position_metrics, sts_fit
+from dspark.train.config import TrainConfig, load_config
+from dspark.train.data import SequenceStore
+from dspark.train.features import CachedFeatures, OnlineFeatures, build_feature_cache
+from dspark.train.trainer import DistInfo, DrafterIO, Trainer, freeze_shared
+
+MAX_EVAL_SEQUENCES = 256  # held-out sequences evaluated at the end of training
+
+
+def init_distributed() -> DistInfo:
+    """DistInfo from torchrun's environment (a single process without it)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    return DistInfo(rank=rank, world=world, device=device)
+
+
+def drafter_io(num_anchors: int, target_model) -> DrafterIO:
+    """Checkpoints hold float32 drafter folders (exact resume)."""
+    from dspark.draft.checkpoint import load_drafter_folder, save_drafter
+
+    def save(drafter, folder: Path) -> None:
+        save_drafter(drafter, folder, dtype=torch.float32, extra_config={"num_anchors": num_anchors})
+
+    def load_weights(drafter, folder: Path) -> None:
+        loaded = load_drafter_folder(folder, target_model)
+        drafter.load_state_dict(loaded.state_dict())
+
+    return DrafterIO(save=save, load_weights=load_weights)
+
+
+def _check_data(store: SequenceStore, target) -> None:
+    meta = store.meta
+    if meta and (meta.get("target") != target.name or meta.get("vocab_size") != target.config.vocab_size):
+        raise UserError(f"the data was prepared with target {meta.get('target')!r} (vocab {meta.get('vocab_size')}), "
+                        f"not {target.name!r}; rerun prepare with this target")
+
+
+def _features(cfg: TrainConfig, model, drafter, store, indices, target_name: str, info: DistInfo):
+    if cfg.features.mode == "online":
+        return OnlineFeatures(model, drafter.tap_layers)
+    folder = Path(cfg.features.cache_dir or Path(cfg.run.out_dir) / "feature_cache")
+    if info.rank == 0:
+        build_feature_cache(model, store, indices, drafter.tap_layers, folder, max_seq_len=cfg.data.max_seq_len,
+                            max_gb=cfg.features.cache_max_gb, target_name=target_name, progress=cfg.log.progress)
+    info.barrier()
+    return CachedFeatures(model, folder, drafter.tap_layers)
+
+
+def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int | None = None) -> Path:
+    """Train the drafter a recipe describes; return the folder of the final drafter."""
+    from dspark.draft.checkpoint import save_drafter
+    from dspark.draft.factory import build_drafter
+    from dspark.models.loading import load_target
+
+    cfg = load_config(config_path)
+    info = init_distributed()
+    target = load_target(cfg.target.path or None)
+    model = target.model.to(info.device).eval()
+    store = SequenceStore(cfg.data.dir)
+    _check_data(store, target)
+    train, heldout = store.split(cfg.data.holdout_fraction)
+    options = {**cfg.drafter.options, "block_size": cfg.drafter.block_size}
+    drafter = build_drafter(cfg.drafter.kind, target.config, model.embed_tokens, model.lm_head_weight,
+                            seed=cfg.run.seed, **options).to(info.device)
+    freeze_shared(drafter, model)
+    out_dir = Path(cfg.run.out_dir)
+    if info.rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        n = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+        print(f"dspark train: {cfg.drafter.kind} drafter, {n / 1e6:.2f}M trainable parameters, G={drafter.block_size}; "
+              f"{len(train)} training / {len(heldout)} held-out sequences; {info.world} rank(s) on {info.device}")
+    features = _features(cfg, model, drafter, store, train + heldout, target.name, info)
+    pad_id = target.config.eos_token_ids[0] if target.config.eos_token_ids else 0
+    trainer = Trainer(cfg, drafter, features, store, train, drafter_io(cfg.optim.anchors_per_seq, model), info,
+                      heldout, pad_id)
+    summary = trainer.fit(resume=resume, stop_at_step=stop_at_step)
+    if trainer.step < cfg.optim.total_steps:
+        return out_dir
+    summary["heldout"] = trainer.evaluate(heldout[:MAX_EVAL_SEQUENCES]) if heldout else None
+    final = out_dir / "drafter"
+    if info.rank == 0:
+        save_drafter(drafter, final, extra_config={"num_anchors": cfg.optim.anchors_per_seq})
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        held = summary["heldout"] or {}
+        print(f"dspark train: done at step {summary['step']} in {summary['seconds']} s; held-out loss "
+              f"{held.get('loss')}, expected acceptance length {held.get('expected_accept_len')}; drafter in {final}")
+    info.barrier()
+    return final
+
+
+# ------------------------------------------------------------------ calibration
+@torch.no_grad()
+def collect_confidence(drafter, features, store: SequenceStore, indices: list[int], *, anchors_per_seq: int,
+                       max_seq_len: int, labels: str, seed: int, batch_size: int = 8):
+    """Confidence logits [n, G] and acceptance labels [n, G] of full blocks on `indices`.
+
+    labels="realised": per position, draw x ~ p_draft and accept it with
+    probability min(1, p_target(x) / p_draft(x)), the speculative-sampling
+    test at temperature 1 (blocks are teacher-forced on the data's tokens).
+    labels="soft": the analytic acceptance probability c*_k instead."""
+    gen = torch.Generator().manual_seed(seed)
+    logits_out, labels_out = [], []
+    for start in range(0, len(indices), batch_size):
+        chunk = indices[start : start + batch_size]
+        seqs = [store.get(i, max_seq_len) for i in chunk]
+        batch = make_batch(seqs, [sample_seed(seed, -2, i) for i in chunk], anchors_per_seq, drafter.block_size)
+        feats = features(batch, chunk)
+        dev = next(drafter.parameters()).device
+        out = drafter.forward_train(feats.tapped_hidden.to(dev), batch.token_ids.to(dev), batch.anchors.to(dev))
+        if out.confidence_logits is None:
+            raise UserError("this drafter has no confidence head; only DSpark drafters can be calibrated")
+        full = batch.valid.all(-1).to(dev)  # [B, A]
+        draft_probs = torch.softmax(out.logits[full].float(), -1).cpu()  # [n, G, V]
+        target_probs = torch.softmax(feats.target_logits.to(dev)[full].float(), -1).cpu()
+        if labels == "soft":
+            accepted = 1.0 - 0.5 * (draft_probs - target_probs).abs().sum(-1)
+        else:
+            flat = draft_probs.reshape(-1, draft_probs.shape[-1])
+            drawn = torch.multinomial(flat, 1, generator=gen).view(draft_probs.shape[:2])  # [n, G]
+            p_d = draft_probs.gather(-1, drawn[..., None]).squeeze(-1)
+            p_t = target_probs.gather(-1, drawn[..., None]).squeeze(-1)
+            u = torch.rand(p_d.shape, generator=gen)
+            accepted = (u * p_d < p_t).double()  # u < p_t / p_d, accept surely when p_t >= p_d
+        logits_out.append(out.confidence_logits[full].float().cpu())
+        labels_out.append(accepted.double())
+    if not logits_out or sum(x.shape[0] for x in logits_out) == 0:
+        raise UserError("no complete held-out blocks to calibrate on; prepare more data or raise holdout_fraction")
+    return torch.cat(logits_out), torch.cat(labels_out)
+
+
+def run_calibrate(
+    drafter_dir: str | Path,
+    data_dir: str | Path,
+    *,
+    target_path: str | Path | None = None,
+    holdout_fraction: float = 0.02,
+    max_sequences: int = 512,
+    anchors_per_seq: int = 16,
+    max_seq_len: int = 640,
+    labels: str = "realised",
+    bins: int = DEFAULT_BINS,
+    seed: int = 0,
+    out_dir: str | Path | None = None,
+    write: bool = False,
+) -> dict:
+    """Fit STS temperatures on held-out data; report ECE / AUC / Brier per
+    position before and after, draw the reliability diagram. `write=True`
+    also stores the temperatures in the drafter folder's config."""
+    from dspark.draft.checkpoint import load_drafter_folder, save_drafter
+    from dspark.models.loading import load_target
+
+    if labels not in ("realised", "soft"):
+        raise UserError(f"labels must be 'realised' or 'soft', got {labels!r}")
+    target = load_target(target_path)
+    drafter = load_drafter_folder(drafter_dir, target.model).eval()
+    store = SequenceStore(data_dir)
+    _check_data(store, target)
+    _, heldout = store.split(holdout_fraction)
+    if not heldout:
+        raise UserError(f"no held-out sequences in {data_dir} at holdout_fraction={holdout_fraction}")
+    features = OnlineFeatures(target.model, drafter.tap_layers)
+    conf_logits, accepted = collect_confidence(drafter, features, store, heldout[:max_sequences],
+                                               anchors_per_seq=anchors_per_seq, max_seq_len=max_seq_len,
+                                               labels=labels, seed=seed)
+    temps = sts_fit(conf_logits, accepted, bins)
+    before, after = position_metrics(conf_logits, accepted, None, bins), position_metrics(conf_logits, accepted, temps, bins)
+    out = Path(out_dir or drafter_dir)
+    plot = plot_reliability(conf_logits, accepted, temps, out / "reliability.png", bins)
+    report = {"temperatures": [round(float(t), 5) for t in temps], "labels": labels, "num_blocks": int(conf_logits.shape[0]),
+              "bins": bins, "before": [vars(m) for m in before], "after": [vars(m) for m in after], "plot": str(plot)}
+    (out / "calibration.json").write_text(json.dumps(report, indent=2) + "\n")
+    if write:
+        dtype = getattr(torch, json.loads((Path(drafter_dir) / "config.json").read_text()).get("torch_dtype", "float16"))
+        drafter.set_calibration(report["temperatures"])
+        save_drafter(drafter, drafter_dir, dtype=dtype)
+    print(format_calibration(report))
+    return report
+
+
+def format_calibration(report: dict) -> str:
+    lines = [f"dspark calibrate: {report['num_blocks']} held-out blocks, {report['labels']} acceptance labels",
+             "pos   T      ECE before -> after   AUC before -> after   Brier before -> after"]
+    for k, (t, b, a) in enumerate(zip(report["temperatures"], report["before"], report["after"])):
+        auc_b = "n/a" if b["auc"] is None else f"{b['auc']:.3f}"
+        auc_a = "n/a" if a["auc"] is None else f"{a['auc']:.3f}"
+        lines.append(f"{k + 1:<5} {t:<6.3f} {100 * b['ece']:6.2f}% -> {100 * a['ece']:5.2f}%     "
+                     f"{auc_b} -> {auc_a}        {b['brier']:.4f} -> {a['brier']:.4f}")
+    lines.append(f"reliability diagram: {report['plot']}")
+    return "\n".join(lines)

@@ -1,0 +1,120 @@
+"""The library entry points on a tiny target folder with real drafters:
+recipes in configs/, run_train (resume through the drafter checkpoint
+format), run_calibrate."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark.draft.checkpoint import load_drafter_folder
+from dspark.errors import UserError
+from dspark.models.loading import load_target
+from dspark.models.tiny import tiny_hf_folder
+from dspark.train.config import config_from_dict, load_config
+from dspark.train.run import run_calibrate, run_train
+from train_toys import write_toy_data
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_shipped_recipes_load_and_share_one_budget():
+    cfgs = {k: load_config(CONFIGS / f"{k}.toml") for k in ("dspark", "dflash", "eagle3", "mtp")}
+    assert {c.drafter.kind for c in cfgs.values()} == set(cfgs)
+    assert len({(c.data.dir, c.optim.total_steps, c.optim.global_batch, c.optim.anchors_per_seq) for c in cfgs.values()}) == 1
+    assert all(c.drafter.block_size == 7 for k, c in cfgs.items() if k != "mtp")
+
+
+def test_config_rejects_unknown_and_out_of_range_keys(tmp_path):
+    with pytest.raises(UserError, match="unknown key.*lr_max"):
+        config_from_dict({"optim": {"lr_max": 1.0}})
+    with pytest.raises(UserError, match="unknown key.*bogus"):
+        config_from_dict({"bogus": {}})
+    with pytest.raises(UserError, match="global_batch"):
+        config_from_dict({"optim": {"global_batch": 0}})
+    with pytest.raises(UserError, match="must be of type int"):
+        config_from_dict({"optim": {"total_steps": "many"}})
+    with pytest.raises(UserError, match="may not set block_size"):
+        config_from_dict({"drafter": {"options": {"block_size": 3}}})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[optim\n")
+    with pytest.raises(UserError, match="cannot parse"):
+        load_config(bad)
+
+
+def _recipe(tmp_path: Path, kind: str = "dspark", steps: int = 4) -> Path:
+    target_dir = tiny_hf_folder(tmp_path)
+    data = write_toy_data(tmp_path / "data", num=40)
+    (data / "meta.json").write_text(json.dumps({"target": target_dir.name, "vocab_size": 96}))
+    options = {"num_hidden_layers": 1, "markov_rank": 8, "intermediate_size": 64} if kind == "dspark" else {}
+    cfg = {
+        "run": {"out_dir": str(tmp_path / f"run-{kind}"), "seed": 3},
+        "data": {"dir": str(data), "max_seq_len": 32, "holdout_fraction": 0.25},
+        "target": {"path": str(target_dir)},
+        "drafter": {"kind": kind, "block_size": 1 if kind == "mtp" else 3, "options": options},
+        "optim": {"total_steps": steps, "warmup_steps": 1, "global_batch": 4, "anchors_per_seq": 4, "lr": 3e-3},
+        "log": {"log_every": 1, "ckpt_every": 2, "progress": False},
+    }
+    path = tmp_path / f"{kind}.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def _kill_after_first_checkpoint(recipe: Path, out_dir: Path) -> bool:
+    """Run run_train in a subprocess and SIGKILL it once a checkpoint exists;
+    True if it was killed before finishing. The child uses this process's
+    thread count: bit-exact results need the same reduction order."""
+    code = (f"import torch; torch.set_num_threads({torch.get_num_threads()}); "
+            f"from dspark.train.run import run_train; run_train({str(recipe)!r})")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    marker = out_dir / "checkpoints" / "latest"
+    deadline = time.time() + 120
+    while proc.poll() is None and not marker.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    killed = proc.poll() is None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return killed
+
+
+def test_killed_run_resumes_exactly_then_calibrates(tmp_path):
+    recipe = _recipe(tmp_path, steps=12)
+    whole = run_train(recipe)
+    target = load_target(json.loads(recipe.read_text())["target"]["path"])
+    a = load_drafter_folder(whole, target.model).state_dict()
+    summary = json.loads((whole.parent / "summary.json").read_text())
+    assert summary["step"] == 12 and summary["heldout"]["expected_accept_len"] >= 1.0
+
+    cfg = json.loads(recipe.read_text())
+    cfg["run"]["out_dir"] = str(tmp_path / "run-b")
+    recipe_b = tmp_path / "b.json"
+    recipe_b.write_text(json.dumps(cfg))
+    assert _kill_after_first_checkpoint(recipe_b, tmp_path / "run-b")
+    assert not (tmp_path / "run-b" / "drafter").exists()
+    b = load_drafter_folder(run_train(recipe_b), target.model).state_dict()
+    diff = {k: float((a[k] - b[k]).abs().max()) for k in a if not torch.equal(a[k], b[k])}
+    assert not diff, diff
+    log_a = (whole.parent / "log.jsonl").read_text().splitlines()
+    log_b = (tmp_path / "run-b" / "log.jsonl").read_text().splitlines()
+    assert [json.loads(x)["loss"] for x in log_a] == [json.loads(x)["loss"] for x in log_b]
+
+    report = run_calibrate(whole, cfg["data"]["dir"], target_path=cfg["target"]["path"], holdout_fraction=0.25,
+                           max_seq_len=32, anchors_per_seq=8, out_dir=tmp_path / "cal", write=True)
+    assert len(report["temperatures"]) == 3 and all(t > 0 for t in report["temperatures"])
+    assert len(report["before"]) == len(report["after"]) == 3 and report["num_blocks"] > 0
+    assert (tmp_path / "cal" / "reliability.png").stat().st_size > 5000
+    reloaded = load_drafter_folder(whole, target.model)
+    assert list(reloaded.config.calibration_temperatures) == pytest.approx(report["temperatures"])
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp", "dflash"])
+def test_run_train_baselines(tmp_path, kind):
+    final = run_train(_recipe(tmp_path, kind, steps=2))
+    assert (final / "config.json").is_file()
+    with pytest.raises(UserError, match="no confidence head"):
+        run_calibrate(final, tmp_path / "data", target_path=str(tiny_hf_folder(tmp_path)), holdout_fraction=0.25, max_seq_len=32)
