@@ -166,3 +166,12 @@ def test_state_dict_uses_hf_names_and_round_trips() -> None:
     for name, value in clone.state_dict().items():
         torch.testing.assert_close(value, state[name], atol=0, rtol=0)
     assert model.lm_head_weight is model.embed_tokens.weight
+
+
+def test_out_of_range_tap_is_refused_before_touching_the_cache() -> None:
+    model = tiny_target(0)
+    cache = model.new_cache(1, 8)
+    slot = cache.allocate()
+    with pytest.raises(ValueError, match=r"tap_layers \[2\] out of range"):
+        forward(model, cache, [(slot, [1, 2])], tap_layers=(0, 2))
+    assert cache.length(slot) == 0

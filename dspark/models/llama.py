@@ -133,8 +133,8 @@ def _ragged_attention(q: torch.Tensor, cache: KVCache, layer: int, plan: Attenti
         keys = cache.keys[layer][plan.span_start : plan.span_start + s, :, : plan.attended]
         values = cache.values[layer][plan.span_start : plan.span_start + s, :, : plan.attended]
     else:
-        keys = cache.keys[layer].index_select(0, plan.gather_slots)[:, :, : plan.attended]
-        values = cache.values[layer].index_select(0, plan.gather_slots)[:, :, : plan.attended]
+        keys = cache.keys[layer][:, :, : plan.attended].index_select(0, plan.gather_slots)
+        values = cache.values[layer][:, :, : plan.attended].index_select(0, plan.gather_slots)
     if plan.scatter_rows is None:
         padded = q.view(s, mq, hkv, group, hd)
     else:
@@ -243,20 +243,24 @@ class TargetModel(nn.Module):
         """Run R requests' new tokens; append their keys/values to `cache`.
 
         logits_rows: [M] int64 indices into the N rows whose logits to return (None: all rows).
-        tap_layers: decoder-layer indices whose output hidden states to return ([N, T, D]).
+        tap_layers: decoder-layer indices i whose output hidden states to return ([N, T, D], in
+            the order given). This is HF's `hidden_states[i + 1]`, except for the last layer,
+            where HF returns the final-normed state (our `last_hidden`) instead.
+        want_last_hidden: also return the final-normed hidden states [N, D] (the LM head input).
+        Runs without autograd; callers may wrap it in `torch.inference_mode()` for speed.
         """
+        bad = [i for i in tap_layers if not 0 <= i < self.config.num_hidden_layers]
+        if bad:
+            raise ValueError(f"tap_layers {bad} out of range for {self.config.num_hidden_layers} decoder layers")
         plan = make_plan(batch, cache, self.config, self.dtype)
         hidden = self.model.embed_tokens(batch.token_ids)  # [N, D]
-        taps = []
+        taps: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             hidden = layer(hidden, plan, cache, i)
             if i in tap_layers:
-                taps.append(hidden)
+                taps[i] = hidden
         cache.commit(batch.slots, batch.query_lens)
-        tapped = None
-        if tap_layers:
-            by_layer = dict(zip([i for i in range(len(self.model.layers)) if i in tap_layers], taps))
-            tapped = torch.stack([by_layer[i] for i in tap_layers], dim=1)  # [N, T, D]
+        tapped = torch.stack([taps[i] for i in tap_layers], dim=1) if tap_layers else None  # [N, T, D]
         last = _norm(self.model.norm, hidden) if want_last_hidden else None  # [N, D]
         if logits_rows is None:
             normed = last if last is not None else _norm(self.model.norm, hidden)
@@ -271,9 +275,6 @@ class TargetModel(nn.Module):
 def make_plan(batch: RaggedBatch, cache: KVCache, config: TargetConfig, dtype: torch.dtype) -> AttentionPlan:
     """Positions, cache write indices and the attention layout of one ragged forward."""
     slots, qlens = batch.slots, batch.query_lens
-    for i in range(len(slots)):
-        if not 0 <= slots[i] < cache.max_slots:
-            raise ValueError(f"cache slot {slots[i]} out of range")
     starts = cache.reserve(slots, qlens)
     positions = torch.cat([torch.arange(s, s + q) for s, q in zip(starts, qlens)])
     cos, sin = rope_cos_sin(positions, config.head_dim, config.rope_theta, dtype)
