@@ -23,16 +23,17 @@ class FakeTokenizer:
 
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+        text += "<|im_start|>assistant\n" if add_generation_prompt else ""
+        return self.encode(text) if tokenize else text
 
-    def __call__(self, text, add_special_tokens=False):
+    def encode(self, text, add_special_tokens=False):
         ids = []
         for piece in re.split(r"(<\|im_start\|>|<\|im_end\|>)", text):
             if piece in SPECIALS:
                 ids.append(SPECIALS.index(piece))
             else:
                 ids.extend(b + 2 for b in piece.encode())
-        return {"input_ids": ids}
+        return ids
 
     def decode(self, ids, skip_special_tokens=True):
         pieces = [SPECIALS[i] if i < 2 else bytes([i - 2]) for i in ids if i >= 2 or not skip_special_tokens]
@@ -165,7 +166,7 @@ def test_real_chat_template_masks(tmp_path, eval_dir):
     tok = target.tokenizer
 
     def generate(model, prompt_ids, params, *, max_batch, progress):
-        return [tok(f"Answer {len(p)} done.", add_special_tokens=False)["input_ids"] for p in prompt_ids]
+        return [tok.encode(f"Answer {len(p)} done.", add_special_tokens=False) for p in prompt_ids]
 
     prompts = _write_prompts(tmp_path / "p.jsonl", [_row(0, turns=["Hi there", "And now?"])])
     prepare(prompts, tmp_path / "out", target, max_new_tokens=32, eval_dir_for_overlap_check=eval_dir,

@@ -131,7 +131,10 @@ def check_overlap(prompts: list[Prompt], eval_dir: str | Path) -> int:
 
 
 class ChatFormatter:
-    """Chat-template token ids of a conversation, via the tokenizer's template."""
+    """Chat-template token ids of a conversation. Prompts go through
+    `dspark.models.chat.encode_chat`, exactly as generation and evaluation
+    encode them; a conversation ending in an assistant turn (to find that
+    turn's span) is rendered by the same template without the opened turn."""
 
     def __init__(self, tokenizer) -> None:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -139,8 +142,12 @@ class ChatFormatter:
         self.tokenizer = tokenizer
 
     def encode(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        from dspark.models.chat import encode_chat, encode_text
+
+        if add_generation_prompt:
+            return encode_chat(self.tokenizer, messages)
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        return encode_text(self.tokenizer, text)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
