@@ -11,12 +11,21 @@ from __future__ import annotations
 
 import pytest
 
-from dspark.eval.gate import GATE_FILE, CaseResult, check, load_table, measure, relative_tolerance, spec_of
+from dspark.eval.gate import (
+    GATE_FILE,
+    CaseResult,
+    check,
+    load_table,
+    measure,
+    relative_tolerance,
+    spec_of,
+    table_from,
+)
 
 
-def _table(tau=2.0, tol=0.1, kind="ngram") -> dict:
-    return {"drafter": "default", "drafter_kind": kind, "relative_tolerance": tol,
-            "cases": {"temperature-1": {"temperature": 1.0, "tau": tau}}}
+def _table(tau=2.0, tol=0.1, kind="ngram", gated=True) -> dict:
+    return {"drafter": "default", "drafter_kind": kind,
+            "cases": {"temperature-1": {"temperature": 1.0, "tau": tau, "relative_tolerance": tol, "gated": gated}}}
 
 
 def _result(tau, kind="ngram") -> CaseResult:
@@ -28,6 +37,22 @@ def test_check_passes_within_tolerance_and_fails_below_it():
     assert check(_table(), [_result(2.6)]) == []  # an improvement never fails
     (failure,) = check(_table(), [_result(1.79)])
     assert "tau 1.790 < 1.800" in failure and "regressed" in failure
+
+
+def test_ungated_case_is_reported_not_checked():
+    assert check(_table(gated=False), [_result(1.0)]) == []
+
+
+def test_table_gates_a_case_only_when_its_floor_is_above_one():
+    results = [CaseResult("temperature-1", 1.0, 0, "ngram", 1.12, [0.2], 300, 7),
+               CaseResult("greedy", 0.0, 0, "ngram", 1.4, [0.3], 250, 7)]
+    spec = {"drafter": "default", "block_size": 7, "max_new_tokens": 48, "seed": 0, "prompts": ["a"],
+            "cases": {"temperature-1": 1.0, "greedy": 0.0}}
+    table = table_from(spec, results, {"temperature-1": [1.12, 1.13, 1.10, 1.18]}, {})
+    sampled, greedy = table["cases"]["temperature-1"], table["cases"]["greedy"]
+    assert sampled["relative_tolerance"] > 0.1 and not sampled["gated"] and "cannot detect" in sampled["note"]
+    assert greedy["relative_tolerance"] == 0.05 and greedy["gated"]
+    assert check(table, [_result(1.0)] + [CaseResult("greedy", 0.0, 0, "ngram", 1.3, [], 1, 1)])[0].startswith("greedy")
 
 
 def test_check_fails_when_the_default_drafter_changes_kind():
@@ -46,8 +71,10 @@ def test_the_table_is_well_formed():
     table = load_table(GATE_FILE)
     assert table["drafter"] == "default" and table["regenerate"] == "python -m dspark.eval.gate --update"
     assert set(table["cases"]) == {"temperature-1", "greedy"}
-    assert 0.05 <= table["relative_tolerance"] < 0.5
-    assert all(case["tau"] >= 1.0 for case in table["cases"].values())
+    for case in table["cases"].values():
+        assert case["tau"] >= 1.0 and 0.05 <= case["relative_tolerance"] < 0.5
+        assert case["gated"] == (case["tau"] * (1 - case["relative_tolerance"]) > 1.0)
+    assert any(case["gated"] for case in table["cases"].values()), "the gate must be able to fail"
 
 
 @pytest.mark.slow
@@ -57,6 +84,7 @@ def test_default_drafter_acceptance_has_not_regressed():
     table = load_table(GATE_FILE)
     results = measure(spec_of(table))
     for r in results:
-        want = table["cases"][r.name]["tau"]
-        print(f"{r.name}: tau {r.tau:.3f} (table {want:.3f}, tolerance {table['relative_tolerance']:.1%})")
+        case = table["cases"][r.name]
+        print(f"{r.name}: tau {r.tau:.3f} (table {case['tau']:.3f}, tolerance {case['relative_tolerance']:.1%}, "
+              f"gated {case['gated']})")
     assert check(table, results) == []

@@ -11,18 +11,25 @@ token budget and seeds, and records tau on the embedded target for a sampled
 expected * (1 - tolerance), or when `default` now resolves to another drafter
 kind than the one the table was measured with (then regenerate it).
 
-Tolerance. On one machine the run is deterministic (fixed seeds). Across
-machines, floating-point differences can flip a sampled token and send an
-answer down another trajectory: in the worst case the subset's tau is
-re-estimated from fresh samples of the same prompts. `--update` measures how
-much that moves tau: it reruns the sampled case with NOISE_SEEDS and takes
-the standard deviation s of the subset's tau across seeds. The difference of
-two such runs has standard deviation s * sqrt(2), so the table allows
-tolerance = max(MIN_TOLERANCE, 3 * sqrt(2) * s / tau): a one-sided 3-sigma
-bound, about a 0.13% chance of a false failure when everything is resampled
-(normal approximation; with 4 seeds s itself is rough, hence the floor).
-Greedy decoding only changes on a near-tie flip, which resamples less than
-the sampled case does, so the greedy case gets the same tolerance.
+Tolerance, per case. On one machine a run is deterministic (fixed seeds), so
+any drop there is real. Across machines, floating-point differences can flip
+a token and send an answer down another trajectory.
+
+- Sampled cases: in the worst case the subset's tau is re-estimated from fresh
+  samples of the same prompts. `--update` measures how much that moves tau by
+  rerunning the case with NOISE_SEEDS: s = standard deviation of tau across
+  the seeds. Two such runs differ with standard deviation s * sqrt(2), so the
+  tolerance is max(MIN_TOLERANCE, 3 * sqrt(2) * s / tau): a one-sided 3-sigma
+  bound, about 0.13% false failures even when everything is resampled (normal
+  approximation; with 4 seeds s is rough, hence the floor).
+- Greedy cases: seeds do not matter; only a near-tie between the two best
+  logits (gap below ~1e-5) can flip, which is rare over a few hundred tokens,
+  so the tolerance is MIN_TOLERANCE.
+
+A case whose floor tau * (1 - tolerance) is not above 1.0 (no speculation)
+could not fail; the table marks it `"gated": false` and the check only
+reports it. With the ngram drafter at temperature 1.0 (tau ~1.1) that is the
+case today; a trained drafter's tau makes it a real check.
 """
 
 from __future__ import annotations
@@ -108,7 +115,7 @@ def relative_tolerance(taus: list[float]) -> float:
 
 
 def check(table: dict, results: list[CaseResult]) -> list[str]:
-    """One message per failed case (empty when the gate passes)."""
+    """One message per failed gated case (empty when the gate passes)."""
     failures = []
     for r in results:
         want = table["cases"][r.name]
@@ -116,41 +123,52 @@ def check(table: dict, results: list[CaseResult]) -> list[str]:
             failures.append(f"{r.name}: the {table['drafter']!r} drafter is now {r.drafter_kind!r}, the table was "
                             f"measured with {table['drafter_kind']!r}; regenerate it with `{UPDATE_COMMAND}`")
             continue
-        floor = want["tau"] * (1 - table["relative_tolerance"])
-        if r.tau < floor:
+        floor = want["tau"] * (1 - want["relative_tolerance"])
+        if want["gated"] and r.tau < floor:
             failures.append(f"{r.name}: tau {r.tau:.3f} < {floor:.3f} (expected {want['tau']:.3f}, tolerance "
-                            f"{table['relative_tolerance']:.1%}); acceptance regressed")
+                            f"{want['relative_tolerance']:.1%}); acceptance regressed")
     return failures
 
 
+def table_from(spec: dict, results: list[CaseResult], noise: dict[str, list[float]], env: dict) -> dict:
+    """The gate table for measured `results`; `noise[name]` holds a sampled
+    case's tau at its seed and at every NOISE_SEEDS seed."""
+    cases = {}
+    for r in results:
+        tolerance = relative_tolerance(noise[r.name]) if r.name in noise else MIN_TOLERANCE
+        gated = r.tau * (1 - tolerance) > 1.0
+        cases[r.name] = {
+            "temperature": r.temperature, "tau": round(r.tau, 4), "relative_tolerance": tolerance, "gated": gated,
+            "rounds": r.rounds, "answers": r.answers,
+            "per_position": [None if p is None else round(p, 4) for p in r.per_position],
+        }
+        if r.name in noise:
+            cases[r.name]["noise_taus"] = [round(t, 4) for t in noise[r.name]]
+        if not gated:
+            cases[r.name]["note"] = ("tau - 1 is within the seed noise, so this case cannot detect a regression: "
+                                     "recorded and reported, not checked")
+    return {
+        "about": "Expected acceptance length (tau) of the shipped default drafter on a fixed subset; "
+                 "checked by tests/test_eval_gate.py. See dspark/eval/gate.py for how each tolerance is set.",
+        "regenerate": UPDATE_COMMAND,
+        **{k: v for k, v in spec.items() if k != "cases"},
+        "drafter_kind": results[0].drafter_kind,
+        "noise_seeds": [spec["seed"], *NOISE_SEEDS],
+        "cases": cases,
+        "measured_with": env,
+    }
+
+
 def update(spec: dict, loaded=None) -> dict:
-    """Measure every case, estimate the tolerance from NOISE_SEEDS, return the table."""
+    """Measure every case (sampled ones at NOISE_SEEDS too) and return the table."""
     from dspark.eval.records import environment
     from dspark.models import load_target
 
     loaded = loaded or load_target(None)
     results = measure(spec, loaded)
-    noise = {}
-    for r in results:
-        if r.temperature > 0:
-            extra = [measure_case(spec, loaded, r.name, r.temperature, seed).tau for seed in NOISE_SEEDS]
-            noise[r.name] = [r.tau, *extra]
-    tolerance = max((relative_tolerance(t) for t in noise.values()), default=MIN_TOLERANCE)
-    return {
-        "about": "Expected acceptance length (tau) of the shipped default drafter on a fixed subset; "
-                 "checked by tests/test_eval_gate.py. See dspark/eval/gate.py for how the tolerance is set.",
-        "regenerate": UPDATE_COMMAND,
-        **{k: v for k, v in spec.items() if k != "cases"},
-        "drafter_kind": results[0].drafter_kind,
-        "relative_tolerance": tolerance,
-        "noise_taus": {name: [round(t, 4) for t in taus] for name, taus in noise.items()},
-        "noise_seeds": [spec["seed"], *NOISE_SEEDS],
-        "cases": {r.name: {"temperature": r.temperature, "tau": round(r.tau, 4), "rounds": r.rounds,
-                           "answers": r.answers,
-                           "per_position": [None if p is None else round(p, 4) for p in r.per_position]}
-                  for r in results},
-        "measured_with": environment(),
-    }
+    noise = {r.name: [r.tau, *(measure_case(spec, loaded, r.name, r.temperature, seed).tau for seed in NOISE_SEEDS)]
+             for r in results if r.temperature > 0}
+    return table_from(spec, results, noise, environment())
 
 
 def load_table(path: Path = GATE_FILE) -> dict:
@@ -173,13 +191,16 @@ def main(argv: list[str]) -> int:
         table = update(spec)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(table, indent=1) + "\n")
-        print(f"wrote {path}: tolerance {table['relative_tolerance']:.1%}, "
-              + ", ".join(f"{n} tau {c['tau']:.3f}" for n, c in table["cases"].items()))
+        print(f"wrote {path}: " + ", ".join(
+            f"{n} tau {c['tau']:.3f} tolerance {c['relative_tolerance']:.1%}{'' if c['gated'] else ' (not gated)'}"
+            for n, c in table["cases"].items()))
         return 0
     results = measure(spec)
+    table = load_table(path)
     for r in results:
-        print(f"{r.name}: {r.drafter_kind} tau {r.tau:.3f} over {r.rounds} rounds, {r.answers} answers")
-    failures = check(load_table(path), results)
+        gated = "" if table["cases"][r.name]["gated"] else " (not gated)"
+        print(f"{r.name}: {r.drafter_kind} tau {r.tau:.3f} (table {table['cases'][r.name]['tau']:.3f}){gated}")
+    failures = check(table, results)
     for f in failures:
         print(f"FAIL {f}", file=sys.stderr)
     return 1 if failures else 0
