@@ -50,7 +50,8 @@ def plot_throughput_vs_tps(summary: list[dict], path: Path) -> None:
     ax.set_ylabel("aggregate output throughput (tokens/s)")
     ax.set_title("Throughput vs per-user speed (labels: concurrency)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,0 +1,39 @@
+"""The load run behind docs/LOAD.md and docs/figures/load_cpu_*:
+
+    .venv/bin/python -m dspark.bench.load_docs [DSPARK_DRAFTER_DIR [MTP_DRAFTER_DIR]]
+
+In process, on the embedded SmolLM2-135M target (float32, CPU). Without
+drafter folders it measures no speculation against the model-free n-gram
+drafter verifying its whole block (the stand-in speculative arm) and lists
+the paper's learned-drafter arms as pending; with trained folders it runs the
+paper's six arms beside the n-gram one.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from dspark.bench.arms import Arm, paper_arms
+from dspark.bench.clients import SamplingSpec
+from dspark.bench.load import LoadSettings, run_load_bench
+from dspark.bench.load_report import LoadReport
+
+DOCS_SETTINGS = LoadSettings(
+    concurrency=(1, 4, 16), rates=(0.5,), level_seconds=60.0, max_seconds=1200.0, repeats=2,
+    sampling=SamplingSpec(max_new_tokens=64), max_prompt_chars=600,
+)
+NGRAM = Arm("ngram-k7", "ngram", "fixed", k=7, block_size=7)
+
+
+def docs_run(dspark_drafter: str | None = None, mtp_drafter: str | None = None,
+             out_dir: str | Path = "docs/figures", name: str = "load_cpu") -> LoadReport:
+    paper = paper_arms(dspark_drafter, mtp_drafter)
+    arms = [paper[0], NGRAM] + paper[1:]
+    command = " ".join([".venv/bin/python -m dspark.bench.load_docs", *map(shlex.quote, sys.argv[1:])])
+    return run_load_bench(arms, DOCS_SETTINGS, out_dir=out_dir, name=name, command=command)
+
+
+if __name__ == "__main__":
+    docs_run(*sys.argv[1:3])

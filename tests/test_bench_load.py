@@ -1,0 +1,177 @@
+"""The load generator on tiny random targets: all six paper arms in process
+(untrained learned drafters), the HTTP mode against a real server, the
+wall-time bounds, loopback enforcement, arm parsing and the goal checks."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+import torch
+
+from dspark.bench.arms import Arm, paper_arms, parse_arm
+from dspark.bench.clients import SamplingSpec, loopback_url
+from dspark.bench.load import LoadSettings, load_prompts, run_load_bench
+from dspark.bench.load_report import GoalRoles, check_goals
+from dspark.bench.loadgen import poisson_offsets
+from dspark.draft.checkpoint import save_drafter
+from dspark.draft.factory import build_drafter
+from dspark.engine.profile import ProfileSettings
+from dspark.errors import UserError
+from dspark.models.loading import LoadedTarget
+from dspark.models.tiny import tiny_target
+from tests.server_harness import VOCAB, CharTokenizer, make_engine, running_server
+
+PNG = b"\x89PNG"
+FIELDS = {"arm", "pattern", "level", "repeat", "requests", "completed", "failed", "cut", "duration_s",
+          "output_tokens", "throughput", "ttft_mean_s", "ttft_p50_s", "tpot_mean_s", "tps_user_mean", "rounds",
+          "verify_length", "verify_budget", "acceptance_length", "samples"}
+
+
+def _tiny_loaded(tmp_path):
+    target = tiny_target(seed=0, vocab_size=VOCAB)
+    return LoadedTarget(model=target, tokenizer=CharTokenizer(), config=target.config, name="tiny", path=tmp_path)
+
+
+def _drafter_folders(loaded, tmp_path):
+    t = loaded.model
+    dspark = build_drafter("dspark", t.config, t.embed_tokens, t.lm_head_weight, seed=3, block_size=7,
+                           num_hidden_layers=1, markov_rank=8)
+    mtp = build_drafter("mtp", t.config, t.embed_tokens, t.lm_head_weight, seed=4)
+    return (str(save_drafter(dspark, tmp_path / "dspark", dtype=torch.float32)),
+            str(save_drafter(mtp, tmp_path / "mtp", dtype=torch.float32)))
+
+
+def test_six_paper_arms_in_process_closed_and_poisson(tmp_path):
+    loaded = _tiny_loaded(tmp_path)
+    arms = paper_arms(*_drafter_folders(loaded, tmp_path))
+    settings = LoadSettings(concurrency=(1, 2), rates=(40.0,), requests_per_level=2, level_seconds=30,
+                            sampling=SamplingSpec(max_new_tokens=10), max_prompt_chars=90, bench="mbpp,alpaca")
+    profile = ProfileSettings(context_len=16, max_requests=2, repeats=1, warmup=0)
+    report = run_load_bench(arms, settings, loaded=loaded, profile=profile, home=tmp_path / "home",
+                            out_dir=tmp_path / "out", name="tiny", command="pytest", progress=False)
+    data = json.loads((tmp_path / "out" / "tiny.json").read_text())
+    assert data["mode"] == "in-process" and data["command"] == "pytest" and not data["skipped"]
+    assert len(data["points"]) == 6 * 3 and FIELDS <= set(data["points"][0])
+    # interleaved: the arm order rotates by one from level to level
+    assert [p["arm"] for p in data["points"][:7:6]] == ["nospec", "mtp1"]
+    for level in (1, 2, 40.0):
+        points = [p for p in report.points if p.level == level]
+        assert {p.arm for p in points} == {a.name for a in arms}
+        assert all(p.completed == 2 and p.failed == p.cut == 0 and p.throughput > 0 for p in points)
+        # greedy + lossless: every arm generated exactly the same number of tokens
+        assert len({p.output_tokens for p in points}) == 1
+    budgets = {p.arm: p.verify_budget for p in report.points if p.level == 1}
+    assert budgets["nospec"] == 1.0 and 1.0 < budgets["mtp1"] <= 2.0 and 1.0 < budgets["dspark-k7"] <= 8.0
+    assert all(1.0 <= b <= 8.0 for b in budgets.values())
+    for key in ("throughput_vs_tps", "vs_concurrency", "poisson"):
+        assert open(data["files"][key], "rb").read(4) == PNG
+    assert {g["arm"] for g in data["goals"]} == {"dspark", "dspark-async"}
+    assert all(g["status"] in ("met", "missed", "not measurable") for g in data["goals"])
+
+
+def test_http_mode_reads_a_running_server(tmp_path):
+    settings = LoadSettings(concurrency=(1, 2), requests_per_level=3, level_seconds=30, bench="mbpp",
+                            sampling=SamplingSpec(max_new_tokens=10), max_prompt_chars=150)
+    with running_server(make_engine(seed=5, policy="fixed")) as server:
+        report = run_load_bench([parse_arm(f"srv={server.base_url}")], settings, out_dir=tmp_path, progress=False)
+        server.wait_idle()
+    assert report.mode == "http" and report.arms[0]["model"] == "tiny-test"
+    for point in report.points:
+        assert point.completed == 3 and point.failed == 0
+        assert point.output_tokens == sum(s["output_tokens"] for s in point.samples)
+        assert point.ttft_p50_s is not None and point.tps_user_mean > 0
+        assert 1.0 < point.verify_budget <= 5.0 and point.acceptance_length >= 1.0  # fixed k=4, block 4
+    assert (tmp_path / "load_vs_concurrency.png").read_bytes()[:4] == PNG
+
+
+def test_wall_time_limits_cut_requests_and_skip_levels(tmp_path):
+    settings = LoadSettings(concurrency=(2, 4), requests_per_level=50, level_seconds=0.6, max_seconds=0.5,
+                            warmup_requests=0, sampling=SamplingSpec(max_new_tokens=400, ignore_eos=True),
+                            max_prompt_chars=100, bench="mbpp")
+    start = time.perf_counter()
+    with running_server(make_engine(seed=2, delay_s=0.02, policy="fixed")) as server:
+        report = run_load_bench([parse_arm(f"a={server.base_url}")], settings, out_dir=tmp_path, progress=False)
+        server.wait_idle()  # cut requests were cancelled: their KV is free again
+    assert time.perf_counter() - start < 20
+    first = report.points[0]
+    assert first.cut == 2 and first.completed == 0 and first.duration_s == pytest.approx(0.6, abs=0.05)
+    assert first.output_tokens > 0 and first.throughput > 0
+    assert [(s["pattern"], s["level"]) for s in report.skipped] == [("closed", 4)]
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://localhost:1/", "http://[::1]:9/v1",
+                                 "http://127.0.0.2:80"])
+def test_loopback_urls_are_accepted(url):
+    assert loopback_url(url).startswith("http://")
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.1:8000", "http://example.com", "http://0.0.0.0:8000",
+                                 "ftp://127.0.0.1", "http://127.0.0.1:8000/other"])
+def test_non_loopback_urls_are_refused(url, tmp_path):
+    with pytest.raises(UserError):
+        loopback_url(url)
+    with pytest.raises(UserError):
+        run_load_bench([Arm("x", url=url, policy="")], LoadSettings(concurrency=(1,)), out_dir=tmp_path,
+                       progress=False)
+
+
+def test_parse_arm():
+    assert parse_arm("a=none:none") == Arm("a", "none", "none")
+    assert parse_arm("b=ngram:fixed:7") == Arm("b", "ngram", "fixed", k=7)
+    assert parse_arm("c=/x/y:z/d:threshold:0.3") == Arm("c", "/x/y:z/d", "threshold", threshold=0.3)
+    assert parse_arm("d=/ckpt:dspark-async").policy == "dspark-async"
+    assert parse_arm("e=http://127.0.0.1:8001").url == "http://127.0.0.1:8001"
+    for bad in ("noequals", "a=ngram", "a=ngram:bogus", "a=ngram:dspark:3", "a=ngram:fixed:x", "a=http://10.1.1.1:1"):
+        with pytest.raises(UserError):
+            parse_arm(bad)
+
+
+def test_pending_arms_are_reported_not_run(tmp_path):
+    arms = paper_arms(None, None)
+    assert [a.name for a in arms if a.pending is None] == ["nospec"]
+    with pytest.raises(UserError, match="unique"):
+        run_load_bench(arms + [Arm("nospec")], LoadSettings(concurrency=(1,)), out_dir=tmp_path, progress=False)
+
+
+def _row(arm, level, throughput, tps, sd=None):
+    return {"arm": arm, "pattern": "closed", "level": level, "throughput": throughput, "throughput_sd": sd,
+            "tps_user": tps}
+
+
+def test_goals_on_fabricated_rows():
+    roles = GoalRoles(schedulers=("dspark",))
+    rows = [_row("nospec", 1, 10, 10, 1.0), _row("dspark-k7", 1, 14, 14, 1.0), _row("dspark", 1, 13, 13, 1.0),
+            _row("nospec", 4, 30, 7, 1.0), _row("dspark-k7", 4, 20, 5, 1.0), _row("dspark", 4, 31, 8, 1.0),
+            _row("mtp1", 1, 12, 6), _row("mtp1", 4, 25, 4)]
+    throughput, matched = check_goals(rows, [], roles)
+    assert throughput["status"] == "met"  # -1 at c=1 is inside the noise sqrt(2)
+    assert [c["best_baseline"] for c in throughput["checks"]] == ["dspark-k7", "nospec"]
+    # scheduler curve (13, 13) -> (31, 8): at 25 tok/s it gives 13 - 5 * 12/18 = 9.67 tok/s/user
+    assert matched["status"] == "met" and len(matched["checks"]) == 1  # mtp1 at 12 tok/s is outside 13..31
+    assert matched["min_ratio"] == pytest.approx(9.6667 / 4, rel=1e-3)
+    rows[2] = _row("dspark", 1, 11, 11, 1.0)  # now 3 below the best baseline, noise sqrt(2)
+    rows[7] = _row("mtp1", 4, 25, 7)  # scheduler at 25 tok/s: 11 - 3 * 14/20 = 8.9 -> 1.27x
+    throughput, matched = check_goals(rows, [], roles)
+    assert throughput["status"] == "missed" and matched["status"] == "missed"
+    missing = check_goals([r for r in rows if r["arm"] != "mtp1"], [{"name": "mtp1", "pending": "no drafter"}], roles)
+    assert missing[1]["status"] == "not measurable" and "no drafter" in missing[1]["why"]
+
+
+def test_poisson_offsets_have_the_asked_rate():
+    """2000 exponential gaps of rate 5: mean 0.2 with standard error 0.0045; the
+    0.02 tolerance is > 4 standard errors (and the draw is seeded)."""
+    offsets = poisson_offsets(5.0, 2000, seed=1)
+    gaps = [b - a for a, b in zip([0.0] + offsets, offsets)]
+    assert statistics.fmean(gaps) == pytest.approx(0.2, abs=0.02)
+    assert offsets == poisson_offsets(5.0, 2000, seed=1) != poisson_offsets(5.0, 2000, seed=2)
+
+
+def test_prompts_interleave_benchmarks_and_respect_the_length_limit():
+    prompts = load_prompts("gsm8k,mbpp", max_chars=300, seed=0)
+    assert all(len(p.messages[0]["content"]) <= 300 for p in prompts)
+    assert {p.id.split("/")[0] for p in prompts[:2]} == {"gsm8k", "mbpp"}
+    with pytest.raises(UserError):
+        LoadSettings(concurrency=(0,))

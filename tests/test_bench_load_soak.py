@@ -1,0 +1,45 @@
+"""A small soak of a real server (uvicorn on 127.0.0.1, tiny random target,
+bigram drafter behind the DSpark scheduler): concurrent streaming clients,
+client disconnects, malformed requests and greedy checks. It must end with no
+failed well-formed request, the KV cache back at its baseline and greedy
+outputs equal to running alone; a negative control shows the soak notices
+failing requests."""
+
+from __future__ import annotations
+
+from dspark.bench.soak import MALFORMED, SoakSettings, run_soak
+from tests.server_harness import make_engine, running_server, single_torch_thread
+
+
+def test_small_soak_passes():
+    settings = SoakSettings(clients=8, requests=60, max_seconds=25, max_new_tokens=16, greedy_prompts=3,
+                            bench="mbpp,alpaca,mt-bench", max_prompt_chars=120, settle_seconds=10, seed=3)
+    with single_torch_thread(), running_server(make_engine(seed=11, max_running=4)) as server:
+        report = run_soak(server.base_url, settings, progress=False)
+        assert server.engine.kv.tokens_in_use() == 0 and not server.engine.requests
+    assert report.passed, report.errors
+    assert report.sent == 60 and report.failed == 0 and report.engine_failures == 0
+    assert report.kv_baseline == report.kv_end == 0
+    assert report.greedy_checked > 0 and report.greedy_mismatches == 0
+    assert report.cancelled > 0 and report.completed > 0
+    assert report.malformed == report.malformed_rejected > 0 and report.healthy
+
+
+def test_soak_reports_failing_requests():
+    """Negative control: the drafter raises on the first step, which fails the
+    requests that step ran (server-side 'error' events); the soak must count
+    them and not pass."""
+    settings = SoakSettings(clients=4, requests=12, max_seconds=20, max_new_tokens=8, greedy_prompts=0,
+                            greedy_fraction=0.0, cancel_fraction=0.0, malformed_fraction=0.0, bench="alpaca",
+                            max_prompt_chars=80, settle_seconds=10)
+    with single_torch_thread(), running_server(make_engine(seed=11, max_running=4, delay_s=0.05)) as server:
+        server.engine.drafter.fail_next = True
+        report = run_soak(server.base_url, settings, progress=False)
+    assert not report.passed
+    assert report.failed >= 1 and report.engine_failures >= 1
+    assert report.completed + report.failed == 12 and any("failed" in e for e in report.errors)
+
+
+def test_malformed_catalog_covers_json_and_fields():
+    kinds = {type(m).__name__ for m in MALFORMED}
+    assert kinds == {"bytes", "dict"} and len(MALFORMED) >= 6
