@@ -5,7 +5,6 @@ regression gate (`python -m dspark.eval.gate`)."""
 from dspark.eval.benchmarks import BENCHMARKS, DOMAINS, Prompt, load_benchmark, load_suites, resolve_benchmarks
 from dspark.eval.harness import run_eval
 from dspark.eval.records import EvalRun, load_runs
-from dspark.eval.report import run_report
 from dspark.eval.tables import format_eval
 
 __all__ = [
@@ -21,3 +20,12 @@ __all__ = [
     "run_eval",
     "run_report",
 ]
+
+
+def __getattr__(name: str):
+    # imported lazily so that `python -m dspark.eval.report` runs without a double import
+    if name == "run_report":
+        from dspark.eval.report import run_report
+
+        return run_report
+    raise AttributeError(f"module 'dspark.eval' has no attribute {name!r}")

@@ -152,10 +152,15 @@ class EvalRun:
 
 
 def environment() -> dict:
+    """Software and machine facts saved with a run (the load average tells whether
+    other jobs shared the CPU while it ran)."""
+    import os
+
     import torch
 
     return {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+            "load_average_1min": round(os.getloadavg()[0], 2)}
 
 
 # ------------------------------------------------------------------ aggregation
@@ -173,6 +178,12 @@ def macro_mean(values: dict[str, float]) -> float | None:
     """Mean of the domain means (None when no benchmark has a value)."""
     domains = domain_means(values)
     return sum(domains.values()) / len(domains) if domains else None
+
+
+def domain_reached(stats: dict[str, SpecStats], domain: str) -> list[int]:
+    """Rounds that reached each draft position, summed over the domain's benchmarks."""
+    rows = [s.reached for name, s in stats.items() if BENCHMARKS.get(name) == domain]
+    return [sum(r[k] for r in rows if k < len(r)) for k in range(max((len(r) for r in rows), default=0))]
 
 
 def domain_position_acceptance(

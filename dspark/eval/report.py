@@ -17,7 +17,14 @@ from pathlib import Path
 
 from dspark.eval import figures
 from dspark.eval.benchmarks import BENCHMARKS, DOMAINS
-from dspark.eval.records import DrafterRun, EvalRun, domain_means, domain_position_acceptance, load_runs
+from dspark.eval.records import (
+    DrafterRun,
+    EvalRun,
+    domain_means,
+    domain_position_acceptance,
+    domain_reached,
+    load_runs,
+)
 from dspark.eval.sweeps import reliability_samples, threshold_sweep
 from dspark.eval.tables import fmt, render, skipped_note, speed_rows, tau_rows
 
@@ -81,7 +88,9 @@ def _runs_section(runs: list[EvalRun]) -> str:
         lines += [
             f"**[{number}]** {run.created}: target {s.target} ({s.dtype}), {mode}, {limit} prompts per "
             f"benchmark, {s.max_new_tokens} new tokens per turn, seed {s.seed}; "
-            f"torch {env.get('torch', '?')}, {env.get('threads', '?')} threads",
+            f"torch {env.get('torch', '?')}, {env.get('threads', '?')} torch thread(s)"
+            + (f", load average {env['load_average_1min']} on {env.get('cpus', '?')} CPUs at the end"
+               if "load_average_1min" in env else ""),
             "", f"    {run.command}", "",
         ]
         if skipped_note(run):
@@ -121,13 +130,18 @@ def _fig2(entries: list[Entry], fig_dir: Path, report_cmd: str, report: Report) 
     commands = _commands(drafted, report_cmd)
     path = figures.conditional_acceptance(series, fig_dir / "fig2_conditional_acceptance.png", commands)
     report.figures.append(path)
-    rows = [[e.name, dom, *(fmt(v) for v in series[dom][e.name])] for e in drafted for dom in DOMAINS
-            if series[dom][e.name]]
+    rows = []
+    for e in drafted:
+        stats = {name: r.stats for name, r in e.drafter.benches.items()}
+        for dom in DOMAINS:
+            reached = domain_reached(stats, dom)
+            rows.append([e.name, dom, *(f"{fmt(v)} ({n})" for v, n in zip(series[dom][e.name], reached))])
     width = max((len(r) - 2 for r in rows), default=0)
     table = render(["drafter", "domain", *(f"k={k + 1}" for k in range(width))],
                    [r + ["-"] * (width + 2 - len(r)) for r in rows], markdown=True)
     return (head + "Share of rounds whose draft token k was accepted, among rounds that verified position k "
-            "with tokens 1..k-1 all accepted (paper 4.3.1), averaged over the domain's benchmarks.\n\n"
+            "with tokens 1..k-1 all accepted (paper 4.3.1), averaged over the domain's benchmarks; in brackets, "
+            "how many rounds reached position k (few rounds: a noisy value).\n\n"
             f"![Fig. 2]({{FIG}}/{path.name})\n\n{table}\n\n{_made_by(commands)}")
 
 
