@@ -61,6 +61,45 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--refresh", action="store_true", help="measure again even if a cached table matches")
     _add_target_args(pr)
 
+    pp = sub.add_parser("prepare", help="regenerate training answers with the target (resumable)")
+    pp.add_argument("--prompts", default=None, help="prompt JSON Lines (default: the shipped training prompts)")
+    pp.add_argument("--out", default="data/prepared", help="output folder of token shards")
+    pp.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    pp.add_argument("--max-new-tokens", type=int, default=384, help="answer length cap")
+    pp.add_argument("--temperature", type=float, default=0.7)
+    pp.add_argument("--top-p", type=float, default=0.9)
+    pp.add_argument("--seed", type=int, default=0)
+    pp.add_argument("--batch", type=int, default=16, help="requests generated at once")
+    pp.add_argument("--target", default=None)
+
+    t = sub.add_parser("train", help="train a drafter from a recipe in configs/ (resumes by default)")
+    t.add_argument("config", help="recipe file, e.g. configs/dspark.toml")
+    t.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
+    t.add_argument("--stop-at-step", type=int, default=None, help="stop early at this step (checkpointed)")
+
+    c = sub.add_parser("calibrate", help="Sequential Temperature Scaling of a drafter's confidence head")
+    c.add_argument("drafter", help="drafter folder")
+    c.add_argument("--data", default="data/prepared", help="prepared data folder (its held-out part is used)")
+    c.add_argument("--holdout-fraction", type=float, default=0.02)
+    c.add_argument("--max-sequences", type=int, default=512)
+    c.add_argument("--labels", default="realised", choices=["realised", "soft"])
+    c.add_argument("--no-write", action="store_true", help="report only; do not store the temperatures")
+    c.add_argument("--target", default=None)
+
+    e = sub.add_parser("eval", help="acceptance length on the paper's benchmarks (or: dspark eval report)")
+    e.add_argument("--drafter", default="ngram", help="PATH[,PATH...] or none/ngram/default; 'report' rebuilds docs")
+    e.add_argument("--bench", default="all", help="all | math | code | chat | gsm8k,mbpp,...")
+    e.add_argument("--limit", type=int, default=None, help="prompts per benchmark")
+    e.add_argument("--temperature", type=float, default=1.0)
+    e.add_argument("--block-size", type=int, default=None)
+    e.add_argument("--max-new-tokens", type=int, default=256)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--results", default="runs/eval", help="folder the run JSON is saved to")
+    e.add_argument("--no-baseline", action="store_true", help="skip the --drafter none speed baseline")
+    e.add_argument("--json", action="store_true")
+    e.add_argument("report", nargs="?", help="'report': rebuild docs/RESULTS.md and figures from saved runs")
+    _add_target_args(e)
+
     b = sub.add_parser("bench", help="benchmarks that print numbers")
     bsub = b.add_subparsers(dest="bench", required=True)
     bd = bsub.add_parser("decode", help="lean runtime vs transformers step time, greedy tokens/s, ngram speedup")
@@ -147,6 +186,55 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_prepare(args) -> int:
+    from dspark.train.prepare import run_prepare
+
+    run_prepare(
+        args.prompts, args.out, args.target, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_p=args.top_p, seed=args.seed, limit=args.limit, batch=args.batch,
+    )
+    return 0
+
+
+def cmd_train(args) -> int:
+    from dspark.train.run import run_train
+
+    folder = run_train(args.config, resume=not args.no_resume, stop_at_step=args.stop_at_step)
+    print(f"dspark train: drafter written to {folder}")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from dspark.train.run import format_calibration, run_calibrate
+
+    report = run_calibrate(
+        args.drafter, args.data, target_path=args.target, holdout_fraction=args.holdout_fraction,
+        max_sequences=args.max_sequences, labels=args.labels, write=not args.no_write,
+    )
+    print(format_calibration(report))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    if args.report is not None:
+        if args.report != "report":
+            raise UserError(f"unknown eval action {args.report!r}: use 'dspark eval report'")
+        from dspark.eval.report import run_report
+
+        run_report(args.results)
+        return 0
+    from dspark.eval.harness import run_eval
+
+    run = run_eval(
+        args.drafter, args.bench, limit=args.limit, temperature=args.temperature, block_size=args.block_size,
+        max_new_tokens=args.max_new_tokens, seed=args.seed, target=args.target, home=args.home,
+        dtype=args.dtype, baseline=not args.no_baseline, results_dir=args.results,
+    )
+    if args.json:
+        print(json.dumps(run.as_dict() if hasattr(run, "as_dict") else run))
+    return 0
+
+
 def cmd_bench(args) -> int:
     if args.bench == "decode":
         from dspark.bench.decode_cli import run
@@ -159,6 +247,10 @@ COMMANDS = {
     "generate": cmd_generate,
     "serve": cmd_serve,
     "profile": cmd_profile,
+    "prepare": cmd_prepare,
+    "train": cmd_train,
+    "calibrate": cmd_calibrate,
+    "eval": cmd_eval,
     "bench": cmd_bench,
 }
 
