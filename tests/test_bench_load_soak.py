@@ -7,16 +7,27 @@ failing requests."""
 
 from __future__ import annotations
 
+import httpx
+import pytest
+
+from dspark.bench.local_server import local_server
 from dspark.bench.soak import MALFORMED, SoakSettings, run_soak
-from tests.server_harness import make_engine, running_server, single_torch_thread
+from dspark.engine.async_engine import AsyncEngine
+from dspark.server import ServingStack
+from tests.server_harness import CharTokenizer, make_engine, running_server, single_torch_thread
 
 
 def test_small_soak_passes():
     settings = SoakSettings(clients=8, requests=60, max_seconds=25, max_new_tokens=16, greedy_prompts=3,
                             bench="mbpp,alpaca,mt-bench", max_prompt_chars=120, settle_seconds=10, seed=3)
-    with single_torch_thread(), running_server(make_engine(seed=11, max_running=4)) as server:
-        report = run_soak(server.base_url, settings, progress=False)
-        assert server.engine.kv.tokens_in_use() == 0 and not server.engine.requests
+    engine = make_engine(seed=11, max_running=4)
+    stack = ServingStack(AsyncEngine(engine), CharTokenizer(), "tiny-test", None)
+    with single_torch_thread(), local_server(stack) as url:
+        report = run_soak(url, settings, progress=False)
+        assert engine.kv.tokens_in_use() == 0 and not engine.requests
+    assert not stack.async_engine.is_alive  # local_server shut the engine down
+    with pytest.raises(httpx.TransportError):  # and stopped serving
+        httpx.get(url + "/health", timeout=2)
     assert report.passed, report.errors
     assert report.sent == 60 and report.failed == 0 and report.engine_failures == 0
     assert report.kv_baseline == report.kv_end == 0
