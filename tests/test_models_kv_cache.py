@@ -69,3 +69,14 @@ def test_batch_naming_a_slot_twice_or_a_free_slot_is_refused() -> None:
         model(RaggedBatch(torch.arange(2), [slot, slot], [1, 1]), cache)
     with pytest.raises(ValueError, match="not allocated"):
         model(RaggedBatch(torch.arange(2), [slot, 2], [1, 1]), cache)
+
+
+def test_copy_slot_continues_like_the_source() -> None:
+    model = tiny_target(0)
+    cache = model.new_cache(3, 32)
+    a, b = cache.allocate(), cache.allocate()
+    model(RaggedBatch(torch.arange(9), [a], [9]), cache)
+    cache.copy_slot(a, b)
+    assert cache.length(b) == 9
+    out = model(RaggedBatch(torch.tensor([4, 5, 4, 5]), [a, b], [2, 2]), cache)
+    torch.testing.assert_close(out.logits[:2], out.logits[2:], atol=1e-6, rtol=0)

@@ -1,10 +1,13 @@
 """Offline speed of one target forward: the lean runtime (float32 and bfloat16)
 against Hugging Face transformers, for decode steps and verification steps.
 
-Every case prefills `context` tokens per request once, then times a forward of
-`new_tokens` tokens per request, rolling the cache back after each so the
-context stays the same; the reported time is the median over `repeats` steps
-after `warmup` untimed ones.
+For each batch size, one request's `context` tokens are prefilled and its cache
+copied to the other requests; then a forward of q new tokens per request is
+timed, rolling the cache back after each so the context stays the same. The
+reported time is the median over `repeats` steps after `warmup` untimed ones.
+
+    from dspark.bench.decode import run_decode_bench
+    run_decode_bench()  # embedded SmolLM2, context 256, batch 1 and 16, q = 1 and 8
 """
 
 from __future__ import annotations
@@ -47,42 +50,63 @@ def _prompts(vocab: int, batch: int, context: int) -> torch.Tensor:
     return torch.randint(3, vocab, (batch, context), generator=gen)  # [batch, context]
 
 
-def time_lean(target: LoadedTarget, batch: int, new_tokens: int, context: int, repeats: int, warmup: int) -> float:
-    """Median ms of one ragged forward of `batch` requests x `new_tokens` at `context`."""
+def time_lean(
+    target: LoadedTarget, batch: int, new_tokens: list[int], context: int, repeats: int, warmup: int
+) -> dict[int, float]:
+    """Median ms of one ragged forward of `batch` requests x q new tokens at `context`, per q.
+    One request is prefilled; the others get a copy of its cache (the content does not change
+    the cost)."""
     model = target.model
-    cache = model.new_cache(batch, context + new_tokens)
+    cache = model.new_cache(batch, context + max(new_tokens))
     slots = [cache.allocate() for _ in range(batch)]
-    prompts = _prompts(target.config.vocab_size, batch, context)
+    prompt = _prompts(target.config.vocab_size, 1, context)[0]
     with torch.inference_mode():
-        for slot, prompt in zip(slots, prompts):
-            model(RaggedBatch(prompt, [slot], [context]), cache, logits_rows=torch.tensor([context - 1]))
-    tokens = _prompts(target.config.vocab_size, batch, new_tokens).reshape(-1)
-    step_batch = RaggedBatch(tokens, slots, [new_tokens] * batch)
+        model(RaggedBatch(prompt, slots[:1], [context]), cache, logits_rows=torch.tensor([context - 1]))
+    for slot in slots[1:]:
+        cache.copy_slot(slots[0], slot)
+    timings = {}
+    for q in new_tokens:
+        tokens = _prompts(target.config.vocab_size, batch, q).reshape(-1)
+        step_batch = RaggedBatch(tokens, slots, [q] * batch)
 
-    def step() -> None:
-        with torch.inference_mode():
-            model(step_batch, cache)
-        for slot in slots:
-            cache.truncate(slot, context)
+        def step() -> None:
+            with torch.inference_mode():
+                model(step_batch, cache)
+            for slot in slots:
+                cache.truncate(slot, context)
 
-    return _median_ms(step, repeats, warmup)
+        timings[q] = _median_ms(step, repeats, warmup)
+    return timings
 
 
-def time_transformers(hf_model, vocab: int, batch: int, new_tokens: int, context: int, repeats: int, warmup: int) -> float:
+def time_transformers(
+    hf_model, vocab: int, batch: int, new_tokens: list[int], context: int, repeats: int, warmup: int
+) -> dict[int, float]:
     """The same measurement with transformers' own forward and DynamicCache (equal-length batch)."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
     with torch.inference_mode():
-        hf_model(_prompts(vocab, batch, context), past_key_values=cache, use_cache=True)
-    tokens = _prompts(vocab, batch, new_tokens)
+        hf_model(_prompts(vocab, 1, context), past_key_values=cache, use_cache=True)
+        cache.batch_repeat_interleave(batch)
+    timings = {}
+    for q in new_tokens:
+        tokens = _prompts(vocab, batch, q)
 
-    def step() -> None:
-        with torch.inference_mode():
-            hf_model(tokens, past_key_values=cache, use_cache=True)
-        cache.crop(-new_tokens)  # transformers 5: a negative count of tokens to drop
+        def step() -> None:
+            with torch.inference_mode():
+                hf_model(tokens, past_key_values=cache, use_cache=True)
+            cache.crop(-q)  # transformers 5: a negative count of tokens to drop
 
-    return _median_ms(step, repeats, warmup)
+        timings[q] = _median_ms(step, repeats, warmup)
+    return timings
+
+
+def _by_batch(cases: tuple[tuple[int, int], ...]) -> dict[int, list[int]]:
+    grouped: dict[int, list[int]] = {}
+    for batch, q in cases:
+        grouped.setdefault(batch, []).append(q)
+    return grouped
 
 
 def run_decode_bench(
@@ -104,9 +128,9 @@ def run_decode_bench(
     for dtype in dtypes:
         loaded = load_target(target, home=home, dtype=dtype)
         folder = loaded.path
-        for batch, q in cases:
-            ms = time_lean(loaded, batch, q, context, repeats, warmup)
-            timings.append(DecodeTiming("dspark", str(dtype).removeprefix("torch."), batch, q, ms))
+        for batch, qs in _by_batch(cases).items():
+            for q, ms in time_lean(loaded, batch, qs, context, repeats, warmup).items():
+                timings.append(DecodeTiming("dspark", str(dtype).removeprefix("torch."), batch, q, ms))
         del loaded
     if include_transformers:
         from transformers import AutoModelForCausalLM
@@ -115,9 +139,9 @@ def run_decode_bench(
             folder = load_target(target, home=home).path
         hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
         vocab = read_target_config(folder).vocab_size
-        for batch, q in cases:
-            ms = time_transformers(hf_model, vocab, batch, q, context, repeats, warmup)
-            timings.append(DecodeTiming("transformers", "float32", batch, q, ms))
+        for batch, qs in _by_batch(cases).items():
+            for q, ms in time_transformers(hf_model, vocab, batch, qs, context, repeats, warmup).items():
+                timings.append(DecodeTiming("transformers", "float32", batch, q, ms))
     result = {
         "target": str(folder),
         "context": context,

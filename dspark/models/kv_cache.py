@@ -79,6 +79,16 @@ class KVCache:
             )
         self._lengths[slot] = new_length
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Make slot `dst` hold a copy of slot `src`'s cached tokens (a shared prompt)."""
+        self._check_slot(src)
+        self._check_slot(dst)
+        n = self._lengths[src]
+        for buffers in (self.keys, self.values):
+            for layer in buffers:
+                layer[dst, :, :n] = layer[src, :, :n]
+        self._lengths[dst] = n
+
     @property
     def num_free_slots(self) -> int:
         return len(self._free)

@@ -1,0 +1,22 @@
+"""The decode benchmark runs end to end on a tiny target and reports every case."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.bench.decode import format_table, run_decode_bench
+from dspark.models.tiny import tiny_hf_folder
+
+
+def test_decode_bench_reports_each_case(tmp_path) -> None:
+    folder = tiny_hf_folder(tmp_path, seed=0)
+    printed: list[str] = []
+    result = run_decode_bench(
+        str(folder), repeats=2, context=16, cases=((1, 1), (2, 3)), warmup=0, print_fn=printed.append
+    )
+    rows = {(t["runtime"], t["dtype"], t["batch"], t["new_tokens"]) for t in result["timings"]}
+    for runtime, dtype in (("dspark", "float32"), ("dspark", "bfloat16"), ("transformers", "float32")):
+        assert {(runtime, dtype, 1, 1), (runtime, dtype, 2, 3)} <= rows
+    assert all(t["ms"] > 0 for t in result["timings"])
+    assert printed == [format_table(result)] and "batch 2, q=3" in printed[0]
+    assert result["context"] == 16 and result["threads"] == torch.get_num_threads()
