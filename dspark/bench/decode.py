@@ -87,15 +87,17 @@ def time_transformers(
 
     cache = DynamicCache()
     with torch.inference_mode():
-        hf_model(_prompts(vocab, 1, context), past_key_values=cache, use_cache=True)
+        hf_model(_prompts(vocab, 1, context), cache=cache, use_cache=True)
         cache.batch_repeat_interleave(batch)
+    if cache.get_seq_length() != context:  # a transformers version that ignores `cache=`
+        raise RuntimeError("transformers did not fill the DynamicCache; the comparison would be invalid")
     timings = {}
     for q in new_tokens:
         tokens = _prompts(vocab, batch, q)
 
         def step() -> None:
             with torch.inference_mode():
-                hf_model(tokens, past_key_values=cache, use_cache=True)
+                hf_model(tokens, cache=cache, use_cache=True)
             cache.crop(-q)  # transformers 5: a negative count of tokens to drop
 
         timings[q] = _median_ms(step, repeats, warmup)
