@@ -37,7 +37,7 @@ def _cfg(out_dir: Path, data_dir: Path, ckpt_every: int = 2, **optim) -> object:
 
 
 def _trainer(cfg, seed: int = 0) -> Trainer:
-    target = tiny_target(seed=0)
+    target = tiny_target(seed=0).requires_grad_(False)
     store = SequenceStore(cfg.data.dir)
     train, held = store.split(cfg.data.holdout_fraction)
     torch.manual_seed(seed)
@@ -94,8 +94,12 @@ def test_feature_cache_matches_online_and_respects_cap(tmp_path, capsys):
 def test_training_reduces_loss(tmp_path):
     cfg = _cfg(tmp_path / "run", write_toy_data(tmp_path / "data"), total_steps=40, lr=1e-2, ckpt_every=100)
     trainer = _trainer(cfg)
+    target = trainer.features.model
+    frozen = {k: v.clone() for k, v in target.state_dict().items()}
     before = trainer.evaluate(trainer.heldout_indices or trainer.train_indices[:8])
     trainer.fit()
+    assert all(torch.equal(frozen[k], v) for k, v in target.state_dict().items())  # the target never moves
+    assert trainer.drafter.embed.grad is None and not trainer.drafter.lm_head.requires_grad
     after = trainer.evaluate(trainer.heldout_indices or trainer.train_indices[:8])
     assert after["loss"] < 0.8 * before["loss"]
     assert after["expected_accept_len"] > before["expected_accept_len"]

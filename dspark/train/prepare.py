@@ -41,7 +41,7 @@ DEFAULT_EVAL_DIR = PACKAGE_DATA / "eval"
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 DEFAULT_TEMPERATURE = 0.7
 DEFAULT_TOP_P = 0.9
-DEFAULT_MAX_NEW_TOKENS = 384
+DEFAULT_MAX_NEW_TOKENS = 256
 DOMAINS = ("math", "code", "chat")
 
 
