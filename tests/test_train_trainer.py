@@ -1,11 +1,8 @@
-"""Target features, the training loop, exact resume and data-parallel training
-on a tiny random-weight target with a toy drafter."""
+"""Target features, the training loop and exact resume on a tiny
+random-weight target with a toy drafter (data parallelism: test_train_run)."""
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,11 +14,9 @@ from dspark.train.anchors import make_batch
 from dspark.train.config import config_from_dict
 from dspark.train.data import SequenceStore
 from dspark.train.features import CachedFeatures, OnlineFeatures, build_feature_cache
-from dspark.train.trainer import DistInfo, Trainer, lr_at
+from dspark.train.trainer import Trainer, lr_at
 from dspark.types import RaggedBatch
 from train_toys import ToyDrafter, toy_io, write_toy_data
-
-TESTS = Path(__file__).resolve().parent
 
 
 def _cfg(out_dir: Path, data_dir: Path, ckpt_every: int = 2, **optim) -> object:
@@ -129,36 +124,3 @@ def test_resume_after_interruption_is_exact(tmp_path):
     assert strip(tmp_path / "a" / "log.jsonl") == strip(tmp_path / "b" / "log.jsonl")
     files = {p.suffix for p in (tmp_path / "b" / "checkpoints").rglob("*") if p.is_file()}
     assert files <= {".safetensors", ".json", ""}  # no pickle files
-
-
-WORKER = """
-import sys, torch, torch.distributed as dist
-sys.path.insert(0, {tests!r})
-from test_train_trainer import _cfg, _trainer
-from dspark.train.trainer import DistInfo
-from pathlib import Path
-dist.init_process_group("gloo")
-trainer = _trainer(_cfg(Path({out!r}), Path({data!r})))
-trainer.dist = DistInfo(dist.get_rank(), dist.get_world_size())
-trainer.fit()
-dist.destroy_process_group()
-"""
-
-
-def test_two_process_data_parallel_matches_single(tmp_path):
-    """torchrun with 2 CPU ranks (gloo), global batch 4 = 2 x 2, against one process."""
-    data = write_toy_data(tmp_path / "data")
-    single = _trainer(_cfg(tmp_path / "single", data))
-    single.fit()
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=str(TESTS), out=str(tmp_path / "ddp"), data=str(data)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", str(script)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    a, b = _weights(tmp_path / "single"), _weights(tmp_path / "ddp")
-    for k in a:
-        assert torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4), k
-    log_a = [json.loads(x) for x in (tmp_path / "single" / "log.jsonl").read_text().splitlines()]
-    log_b = [json.loads(x) for x in (tmp_path / "ddp" / "log.jsonl").read_text().splitlines()]
-    assert [round(r["loss"], 4) for r in log_a] == [round(r["loss"], 4) for r in log_b]

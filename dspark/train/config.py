@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import tomllib
-from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -197,14 +197,3 @@ def load_config(path: str | Path) -> TrainConfig:
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"cannot parse training config {path}: {exc}") from None
     return config_from_dict(raw)
-
-
-def defaults_of(cls: type) -> dict:
-    """Default values of a config section (for docs and tests)."""
-    out = {}
-    for f in fields(cls):
-        if f.default is not MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not MISSING:  # type: ignore[misc]
-            out[f.name] = f.default_factory()  # type: ignore[misc]
-    return out

@@ -103,7 +103,8 @@ def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int
     trainer = Trainer(cfg, drafter, features, store, train, drafter_io(cfg.optim.anchors_per_seq, model), info,
                       heldout, pad_id)
     summary = trainer.fit(resume=resume, stop_at_step=stop_at_step)
-    if trainer.step < cfg.optim.total_steps:
+    if trainer.step < cfg.optim.total_steps:  # stopped early on purpose: no final drafter yet
+        _leave(info)
         return out_dir
     summary["heldout"] = trainer.evaluate(heldout[:MAX_EVAL_SEQUENCES]) if heldout else None
     final = out_dir / "drafter"
@@ -113,8 +114,14 @@ def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int
         held = summary["heldout"] or {}
         print(f"dspark train: done at step {summary['step']} in {summary['seconds']} s; held-out loss "
               f"{held.get('loss')}, expected acceptance length {held.get('expected_accept_len')}; drafter in {final}")
-    info.barrier()
+    _leave(info)
     return final
+
+
+def _leave(info: DistInfo) -> None:
+    info.barrier()
+    if info.world > 1 and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------ calibration

@@ -231,8 +231,11 @@ class Trainer:
             return False
         self.io.load_weights(self.drafter, folder / "drafter")
         facts = ckpt.load_trainer_state(folder, self.optimizer)
-        if facts["config"]["optim"] != self.cfg.to_dict()["optim"]:
-            raise UserError(f"{folder} was trained with other [optim] settings; use a new [run] out_dir to start over")
+        now = self.cfg.to_dict()
+        changed = [k for k in ("data", "target", "drafter", "optim", "loss") if facts["config"].get(k) != now[k]]
+        if changed or facts["config"]["run"]["seed"] != now["run"]["seed"]:
+            raise UserError(f"{folder} was trained with other settings ({', '.join(changed) or 'run.seed'}); "
+                            "restore them, or set a new [run] out_dir to start over")
         self.step = int(facts["step"])
         if not ckpt.load_rng(folder, self.dist.rank) or facts["world"] != self.dist.world:
             print(f"dspark train: resuming on {self.dist.world} ranks from a {facts['world']}-rank checkpoint; "
