@@ -79,12 +79,14 @@ def test_the_table_is_well_formed():
 
 @pytest.mark.slow
 def test_default_drafter_acceptance_has_not_regressed():
-    """Runs the gate subset (6 prompts, 7 answers, 48 tokens, two cases) on the
-    embedded SmolLM2; about a minute of CPU."""
+    """Runs the gated cases of the gate subset (6 prompts, 7 answers, 48 tokens
+    each) on the embedded SmolLM2: about 30 s of CPU per case. Ungated cases
+    cannot fail, so CI skips them; `python -m dspark.eval.gate` reports them."""
     table = load_table(GATE_FILE)
-    results = measure(spec_of(table))
+    spec = spec_of(table)
+    spec["cases"] = {name: t for name, t in spec["cases"].items() if table["cases"][name]["gated"]}
+    results = measure(spec)
     for r in results:
         case = table["cases"][r.name]
-        print(f"{r.name}: tau {r.tau:.3f} (table {case['tau']:.3f}, tolerance {case['relative_tolerance']:.1%}, "
-              f"gated {case['gated']})")
-    assert check(table, results) == []
+        print(f"{r.name}: tau {r.tau:.3f} (table {case['tau']:.3f}, tolerance {case['relative_tolerance']:.1%})")
+    assert results and check(table, results) == []

@@ -155,6 +155,7 @@ def test_mismatched_drafter_fails_before_any_generation(monkeypatch):
 
 def test_run_eval_saves_a_run_that_loads_back(monkeypatch, tmp_path):
     monkeypatch.setattr(dspark.models, "load_target", lambda *a, **k: _Loaded(), raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     run = run_eval("ngram", "gsm8k,alpaca", limit=1, max_new_tokens=8, temperature=0.0, seed=3,
                    results_dir=tmp_path, progress=False)
     assert run.command == ("dspark eval --drafter none,ngram --bench gsm8k,alpaca --limit 1 --temperature 0 "

@@ -14,6 +14,7 @@ and only then does generation start.
 from __future__ import annotations
 
 import math
+import os
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -226,7 +227,8 @@ def eval_command(specs: list[str], settings: EvalSettings, target: str | None) -
         parts += ["--target", target]
     if settings.dtype != "float32":
         parts += ["--dtype", settings.dtype]
-    return shlex.join(parts)
+    threads = os.environ.get("OMP_NUM_THREADS")  # changes tokens/s, so it belongs to the command
+    return (f"OMP_NUM_THREADS={shlex.quote(threads)} " if threads else "") + shlex.join(parts)
 
 
 def _check_args(temperature: float, block_size: int | None, max_new_tokens: int, dtype: str) -> None:

@@ -111,6 +111,7 @@ class EvalRun:
     drafters: list[DrafterRun]
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S"))
     environment: dict = field(default_factory=dict)
+    note: str = ""  # free text shown with the run in the report (e.g. what else loaded the machine)
     saved_path: Path | None = field(default=None, compare=False)  # where save() wrote it (not serialized)
 
     def drafter(self, label: str) -> DrafterRun | None:
@@ -130,6 +131,7 @@ class EvalRun:
             "command": self.command,
             "settings": asdict(self.settings),
             "environment": self.environment,
+            "note": self.note,
             "drafters": [_drafter_dict(d) for d in self.drafters],
             "summary": summary(self),
         }
@@ -268,7 +270,7 @@ def run_from_dict(data: dict) -> EvalRun:
     settings["benchmarks"] = tuple(settings["benchmarks"])
     return EvalRun(settings=EvalSettings(**settings), command=data["command"],
                    drafters=[_drafter_from(d) for d in data["drafters"]], created=data["created"],
-                   environment=data.get("environment", {}))
+                   environment=data.get("environment", {}), note=data.get("note", ""))
 
 
 def load_runs(folder: str | Path) -> list[EvalRun]:

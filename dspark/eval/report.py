@@ -93,6 +93,8 @@ def _runs_section(runs: list[EvalRun]) -> str:
                if "load_average_1min" in env else ""),
             "", f"    {run.command}", "",
         ]
+        if run.note:
+            lines += [f"Note: {run.note}", ""]
         if skipped_note(run):
             lines += [skipped_note(run), ""]
     return "\n".join(lines)
