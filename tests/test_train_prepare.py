@@ -150,6 +150,11 @@ def test_prepare_resumes_after_interruption(tmp_path, eval_dir):
     assert calls == [2, 1] and summary["sequences"] == 7  # only the 3 missing prompts were generated
     ids = [i for p in shard_paths(tmp_path / "out") for i in read_shard(p)[1]]
     assert sorted(ids) == [f"p{i}" for i in range(7)]
+    more = _write_prompts(tmp_path / "p.jsonl", [_row(i) for i in range(8)])  # same file grown: new sha256
+    with pytest.raises(UserError, match="prompts_sha256"):
+        prepare(more, tmp_path / "out", target, generate_fn=fake_generate(), **kw)
+    prompts = _write_prompts(tmp_path / "p.jsonl", [_row(i) for i in range(7)])
+    assert prepare(prompts, tmp_path / "out", target, generate_fn=fake_generate(), limit=3, **kw)["prompts"] == 3
     with pytest.raises(UserError, match="other settings"):
         prepare(prompts, tmp_path / "out", target, generate_fn=fake_generate(), math_suffix=False, **kw)
 

@@ -220,6 +220,9 @@ def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
 
 
 def _check_meta(out_dir: Path, meta: dict) -> None:
+    """Refuse to mix settings in one folder (a different `limit` is fine: it only
+    says how many prompts of the same file to cover)."""
+    meta = {k: v for k, v in meta.items() if k != "limit"}
     old = read_meta(out_dir)
     if old and {k: old.get(k) for k in meta} != meta:
         changed = sorted(k for k in meta if old.get(k) != meta[k])
