@@ -14,7 +14,6 @@ with all nine benchmarks it equals the mean of the nine).
 from __future__ import annotations
 
 import json
-import math
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -289,7 +288,3 @@ def load_runs(folder: str | Path) -> list[EvalRun]:
             raise UserError(f"{path} is not a dspark eval result ({exc!r}); move it out of {folder}") from None
     runs.sort(key=lambda r: r.created)
     return runs
-
-
-def finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)
