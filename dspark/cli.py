@@ -221,17 +221,16 @@ def cmd_eval(args) -> int:
             raise UserError(f"unknown eval action {args.report!r}: use 'dspark eval report'")
         from dspark.eval.report import run_report
 
-        run_report(args.results)
+        run_report(args.results, "docs/RESULTS.md", "docs/figures")
         return 0
-    from dspark.eval.harness import run_eval
+    from dspark.eval.harness import format_eval, run_eval
 
     run = run_eval(
         args.drafter, args.bench, limit=args.limit, temperature=args.temperature, block_size=args.block_size,
         max_new_tokens=args.max_new_tokens, seed=args.seed, target=args.target, home=args.home,
         dtype=args.dtype, baseline=not args.no_baseline, results_dir=args.results,
     )
-    if args.json:
-        print(json.dumps(run.as_dict() if hasattr(run, "as_dict") else run))
+    print(json.dumps(run.brief()) if args.json else format_eval(run))
     return 0
 
 
