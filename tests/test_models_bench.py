@@ -12,7 +12,7 @@ def test_decode_bench_reports_each_case(tmp_path) -> None:
     folder = tiny_hf_folder(tmp_path, seed=0)
     printed: list[str] = []
     result = run_decode_bench(
-        str(folder), repeats=2, context=16, cases=((1, 1), (2, 3)), warmup=0, print_fn=printed.append
+        str(folder), repeats=2, context=16, cases=((1, 1), (2, 3)), warmup=0, clock="cpu", print_fn=printed.append
     )
     rows = {(t["runtime"], t["dtype"], t["batch"], t["new_tokens"]) for t in result["timings"]}
     for runtime, dtype in (("dspark", "float32"), ("dspark", "bfloat16"), ("transformers", "float32")):

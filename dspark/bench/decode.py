@@ -34,14 +34,18 @@ class DecodeTiming:
     ms: float  # median milliseconds per forward
 
 
-def _median_ms(step: Callable[[], None], repeats: int, warmup: int) -> float:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU time
+
+
+def _median_ms(step: Callable[[], None], repeats: int, warmup: int, clock: str = "wall") -> float:
+    now = CLOCKS[clock]
     for _ in range(warmup):
         step()
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = now()
         step()
-        times.append((time.perf_counter() - t0) * 1e3)
+        times.append((now() - t0) * 1e3)
     return statistics.median(times)
 
 
@@ -51,7 +55,7 @@ def _prompts(vocab: int, batch: int, context: int) -> torch.Tensor:
 
 
 def time_lean(
-    target: LoadedTarget, batch: int, new_tokens: list[int], context: int, repeats: int, warmup: int
+    target: LoadedTarget, batch: int, new_tokens: list[int], context: int, repeats: int, warmup: int, clock: str
 ) -> dict[int, float]:
     """Median ms of one ragged forward of `batch` requests x q new tokens at `context`, per q.
     One request is prefilled; the others get a copy of its cache (the content does not change
@@ -75,12 +79,12 @@ def time_lean(
             for slot in slots:
                 cache.truncate(slot, context)
 
-        timings[q] = _median_ms(step, repeats, warmup)
+        timings[q] = _median_ms(step, repeats, warmup, clock)
     return timings
 
 
 def time_transformers(
-    hf_model, vocab: int, batch: int, new_tokens: list[int], context: int, repeats: int, warmup: int
+    hf_model, vocab: int, batch: int, new_tokens: list[int], context: int, repeats: int, warmup: int, clock: str
 ) -> dict[int, float]:
     """The same measurement with transformers' own forward and DynamicCache (equal-length batch)."""
     from transformers import DynamicCache
@@ -100,7 +104,7 @@ def time_transformers(
                 hf_model(tokens, cache=cache, use_cache=True)
             cache.crop(-q)  # transformers 5: a negative count of tokens to drop
 
-        timings[q] = _median_ms(step, repeats, warmup)
+        timings[q] = _median_ms(step, repeats, warmup, clock)
     return timings
 
 
@@ -120,18 +124,43 @@ def run_decode_bench(
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
     include_transformers: bool = True,
     warmup: int = 2,
+    clock: str = "wall",
+    threads: int | None = None,
     home: str | None = None,
     print_fn: Callable[[str], None] | None = print,
 ) -> dict:
     """Time the target forward in each (batch, new tokens) case; print a table and return
-    {"target", "context", "repeats", "threads", "timings": [DecodeTiming as dict, ...]}."""
+    {"target", "context", "repeats", "threads", "clock", "timings": [DecodeTiming as dict, ...]}.
+
+    clock: "wall" (elapsed time) or "cpu" (this process's CPU time: steadier on a busy
+    machine, meaningful with threads=1). threads: torch intra-op threads for the run
+    (None keeps the current setting; it is restored afterwards).
+    """
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        result = _run_cases(target, repeats, context, cases, dtypes, include_transformers, warmup, clock, home)
+    finally:
+        torch.set_num_threads(previous_threads)
+    if print_fn is not None:
+        print_fn(format_table(result))
+    return result
+
+
+def _run_cases(
+    target: str | None, repeats: int, context: int, cases: tuple[tuple[int, int], ...],
+    dtypes: tuple[torch.dtype, ...], include_transformers: bool, warmup: int, clock: str, home: str | None,
+) -> dict:
     timings: list[DecodeTiming] = []
     folder = None
     for dtype in dtypes:
         loaded = load_target(target, home=home, dtype=dtype)
         folder = loaded.path
         for batch, qs in _by_batch(cases).items():
-            for q, ms in time_lean(loaded, batch, qs, context, repeats, warmup).items():
+            for q, ms in time_lean(loaded, batch, qs, context, repeats, warmup, clock).items():
                 timings.append(DecodeTiming("dspark", str(dtype).removeprefix("torch."), batch, q, ms))
         del loaded
     if include_transformers:
@@ -142,18 +171,16 @@ def run_decode_bench(
         hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
         vocab = read_target_config(folder).vocab_size
         for batch, qs in _by_batch(cases).items():
-            for q, ms in time_transformers(hf_model, vocab, batch, qs, context, repeats, warmup).items():
+            for q, ms in time_transformers(hf_model, vocab, batch, qs, context, repeats, warmup, clock).items():
                 timings.append(DecodeTiming("transformers", "float32", batch, q, ms))
-    result = {
+    return {
         "target": str(folder),
         "context": context,
         "repeats": repeats,
         "threads": torch.get_num_threads(),
+        "clock": clock,
         "timings": [asdict(t) for t in timings],
     }
-    if print_fn is not None:
-        print_fn(format_table(result))
-    return result
 
 
 def format_table(result: dict) -> str:
@@ -164,8 +191,8 @@ def format_table(result: dict) -> str:
     ms = {(t["runtime"], t["dtype"], t["batch"], t["new_tokens"]): t["ms"] for t in timings}
     header = "| runtime | dtype | " + " | ".join(f"batch {b}, q={q}" for b, q in cases) + " |"
     lines = [
-        f"ms per target forward, context {result['context']}, median of {result['repeats']}, "
-        f"{result['threads']} threads",
+        f"ms per target forward ({result['clock']} clock), context {result['context']}, "
+        f"median of {result['repeats']}, {result['threads']} threads",
         header,
         "|" + "---|" * (2 + len(cases)),
     ]
