@@ -94,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--block-size", type=int, default=None)
     e.add_argument("--max-new-tokens", type=int, default=256)
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--results", default="runs/eval", help="folder the run JSON is saved to")
+    e.add_argument("--results", default=None, help="run JSON folder (eval default runs/eval; report default docs/eval-runs)")
     e.add_argument("--no-baseline", action="store_true", help="skip the --drafter none speed baseline")
     e.add_argument("--json", action="store_true")
     e.add_argument("report", nargs="?", help="'report': rebuild docs/RESULTS.md and figures from saved runs")
@@ -221,14 +221,15 @@ def cmd_eval(args) -> int:
             raise UserError(f"unknown eval action {args.report!r}: use 'dspark eval report'")
         from dspark.eval.report import run_report
 
-        run_report(args.results, "docs/RESULTS.md", "docs/figures")
+        run_report(args.results or "docs/eval-runs", "docs/RESULTS.md", "docs/figures")
         return 0
-    from dspark.eval.harness import format_eval, run_eval
+    from dspark.eval.harness import run_eval
+    from dspark.eval.tables import format_eval
 
     run = run_eval(
         args.drafter, args.bench, limit=args.limit, temperature=args.temperature, block_size=args.block_size,
         max_new_tokens=args.max_new_tokens, seed=args.seed, target=args.target, home=args.home,
-        dtype=args.dtype, baseline=not args.no_baseline, results_dir=args.results,
+        dtype=args.dtype, baseline=not args.no_baseline, results_dir=args.results or "runs/eval",
     )
     print(json.dumps(run.brief()) if args.json else format_eval(run))
     return 0
