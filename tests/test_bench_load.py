@@ -175,3 +175,11 @@ def test_prompts_interleave_benchmarks_and_respect_the_length_limit():
     assert {p.id.split("/")[0] for p in prompts[:2]} == {"gsm8k", "mbpp"}
     with pytest.raises(UserError):
         LoadSettings(concurrency=(0,))
+
+
+def test_default_request_counts():
+    s = LoadSettings()
+    assert [s.num_requests("closed", c) for c in (1, 4, 16)] == [4, 8, 32]
+    assert LoadSettings(requests_per_client=1).num_requests("closed", 16) == 16
+    assert s.num_requests("poisson", 0.1) == 8 and s.num_requests("poisson", 2.0) == 40
+    assert LoadSettings(requests_per_level=5).num_requests("closed", 64) == 5

@@ -7,8 +7,11 @@ failing requests."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import pytest
+import torch
 
 from dspark.bench.local_server import local_server
 from dspark.bench.soak import MALFORMED, SoakSettings, run_soak
@@ -17,10 +20,22 @@ from dspark.server import ServingStack
 from tests.server_harness import CharTokenizer, make_engine, running_server, single_torch_thread
 
 
+SETTINGS = SoakSettings(clients=8, requests=60, max_seconds=25, max_new_tokens=16, greedy_prompts=3,
+                        bench="mbpp,alpaca,mt-bench", max_prompt_chars=120, settle_seconds=10, seed=3)
+
+
+def _zero_kv(engine) -> None:
+    """Fill the KV buffers (allocated with torch.empty) with zeros, so that this
+    test does not depend on what freed memory the allocator hands out; the
+    unwritten-KV bug is tested by test_soak_with_nan_garbage_in_fresh_memory."""
+    for buffer in engine.kv.keys + engine.kv.values:
+        buffer.zero_()
+
+
 def test_small_soak_passes():
-    settings = SoakSettings(clients=8, requests=60, max_seconds=25, max_new_tokens=16, greedy_prompts=3,
-                            bench="mbpp,alpaca,mt-bench", max_prompt_chars=120, settle_seconds=10, seed=3)
+    settings = SETTINGS
     engine = make_engine(seed=11, max_running=4)
+    _zero_kv(engine)
     stack = ServingStack(AsyncEngine(engine), CharTokenizer(), "tiny-test", None)
     with single_torch_thread(), local_server(stack) as url:
         report = run_soak(url, settings, progress=False)
@@ -36,6 +51,23 @@ def test_small_soak_passes():
     assert report.malformed == report.malformed_rejected > 0 and report.healthy
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "engine bug: ragged attention reads unwritten KV positions (torch.empty) of shorter requests; "
+    "masked weights are 0 but 0 * NaN = NaN, so NaN/inf garbage in reused heap memory fails steps "
+    "(IndexError 96) and changes greedy outputs. Remove this marker once KVCache/attention never read "
+    "uninitialised positions."))
+def test_soak_with_nan_garbage_in_fresh_memory():
+    """Free 100 MB of NaN-filled tensors first: the KV buffers of the next engine
+    (torch.empty, ~256 KB a layer) then come from memory holding NaN."""
+    junk = [torch.full((65536,), float("nan")) for _ in range(400)]
+    del junk
+    engine = make_engine(seed=11, max_running=4)
+    stack = ServingStack(AsyncEngine(engine), CharTokenizer(), "tiny-test", None)
+    with single_torch_thread(), local_server(stack) as url:
+        report = run_soak(url, dataclasses.replace(SETTINGS, requests=30), progress=False)
+    assert report.passed, report.errors
+
+
 def test_soak_reports_failing_requests():
     """Negative control: the drafter raises on the first step, which fails the
     requests that step ran (server-side 'error' events); the soak must count
@@ -44,6 +76,7 @@ def test_soak_reports_failing_requests():
                             greedy_fraction=0.0, cancel_fraction=0.0, malformed_fraction=0.0, bench="alpaca",
                             max_prompt_chars=80, settle_seconds=10)
     with single_torch_thread(), running_server(make_engine(seed=11, max_running=4, delay_s=0.05)) as server:
+        _zero_kv(server.engine)
         server.engine.drafter.fail_next = True
         report = run_soak(server.base_url, settings, progress=False)
     assert not report.passed

@@ -21,14 +21,18 @@ from dspark.bench.load import LoadSettings, run_load_bench
 from dspark.bench.load_report import LoadReport
 
 DOCS_SETTINGS = LoadSettings(
-    concurrency=(1, 4, 16), rates=(0.5,), level_seconds=60.0, max_seconds=1200.0, repeats=2,
-    sampling=SamplingSpec(max_new_tokens=64), max_prompt_chars=600,
+    concurrency=(1, 4, 16), requests_per_client=1, level_seconds=150.0, max_seconds=1500.0, repeats=2,
+    sampling=SamplingSpec(max_new_tokens=64), max_prompt_chars=300,
 )
+TORCH_THREADS = 1  # the shared 2-core box is oversubscribed: 2 OpenMP threads made steps ~5x slower
 NGRAM = Arm("ngram-k7", "ngram", "fixed", k=7, block_size=7)
 
 
 def docs_run(dspark_drafter: str | None = None, mtp_drafter: str | None = None,
              out_dir: str | Path = "docs/figures", name: str = "load_cpu") -> LoadReport:
+    import torch
+
+    torch.set_num_threads(TORCH_THREADS)
     paper = paper_arms(dspark_drafter, mtp_drafter)
     arms = [paper[0], NGRAM] + paper[1:]
     command = " ".join([".venv/bin/python -m dspark.bench.load_docs", *map(shlex.quote, sys.argv[1:])])
