@@ -21,7 +21,7 @@ from dspark.bench.load import LoadSettings, run_load_bench
 from dspark.bench.load_report import LoadReport
 
 DOCS_SETTINGS = LoadSettings(
-    concurrency=(1, 4, 16), requests_per_client=1, level_seconds=150.0, max_seconds=1500.0, repeats=2,
+    concurrency=(1, 4, 16), requests_per_client=1, level_seconds=150.0, max_seconds=1500.0, repeats=3,
     sampling=SamplingSpec(max_new_tokens=64), max_prompt_chars=300,
 )
 TORCH_THREADS = 1  # the shared 2-core box is oversubscribed: 2 OpenMP threads made steps ~5x slower
