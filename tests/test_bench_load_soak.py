@@ -51,14 +51,10 @@ def test_small_soak_passes():
     assert report.malformed == report.malformed_rejected > 0 and report.healthy
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine bug: ragged attention reads unwritten KV positions (torch.empty) of shorter requests; "
-    "masked weights are 0 but 0 * NaN = NaN, so NaN/inf garbage in reused heap memory fails steps "
-    "(IndexError 96) and changes greedy outputs. Remove this marker once KVCache/attention never read "
-    "uninitialised positions."))
 def test_soak_with_nan_garbage_in_fresh_memory():
     """Free 100 MB of NaN-filled tensors first: the KV buffers of the next engine
-    (torch.empty, ~256 KB a layer) then come from memory holding NaN."""
+    (torch.empty, ~256 KB a layer) then come from memory holding NaN. The cache
+    must zero never-written positions before attention reads them."""
     junk = [torch.full((65536,), float("nan")) for _ in range(400)]
     del junk
     engine = make_engine(seed=11, max_running=4)

@@ -80,3 +80,31 @@ def test_copy_slot_continues_like_the_source() -> None:
     assert cache.length(b) == 9
     out = model(RaggedBatch(torch.tensor([4, 5, 4, 5]), [a, b], [2, 2]), cache)
     torch.testing.assert_close(out.logits[:2], out.logits[2:], atol=1e-6, rtol=0)
+
+
+def test_garbage_in_unwritten_cache_memory_never_reaches_outputs():
+    """KV buffers start as uninitialised memory; a ragged forward reads each
+    slot up to the longest request. NaN there must not leak through the mask
+    (0 * NaN = NaN): the cache zeroes never-written positions before reading."""
+    import torch
+
+    from dspark.models.tiny import tiny_target
+    from dspark.types import RaggedBatch
+
+    target = tiny_target(seed=5)
+    clean = target.new_cache(2, 32)
+    dirty = target.new_cache(2, 32)
+    for buf in (*dirty.keys, *dirty.values):
+        buf.fill_(float("nan"))
+    outs = []
+    for cache in (clean, dirty):
+        slots = [cache.allocate(), cache.allocate()]
+        for buf in (*clean.keys, *clean.values):
+            if cache is clean:
+                buf.zero_()
+        batch = RaggedBatch(torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9]), slots, [2, 7])
+        first = target.forward(batch, cache).logits
+        step = target.forward(RaggedBatch(torch.tensor([10, 11]), slots, [1, 1]), cache).logits
+        outs.append(torch.cat([first, step]))
+    assert torch.isfinite(outs[1]).all()
+    torch.testing.assert_close(outs[1], outs[0])

@@ -44,6 +44,10 @@ class KVCache:
             self.keys = [torch.empty(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
             self.values = [torch.empty(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
         self._lengths = [0] * max_slots
+        # positions [0, _readable[slot]) of a slot hold finite values (written or zeroed):
+        # attention reads a batch's slots up to the longest request, and masked
+        # garbage (NaN in reused memory) would still poison softmax (0 * NaN = NaN)
+        self._readable = [0] * max_slots
         self._in_use = [False] * max_slots
         self._free = list(range(max_slots - 1, -1, -1))  # stack; pops the lowest slot first
 
@@ -88,6 +92,7 @@ class KVCache:
             for layer in buffers:
                 layer[dst, :, :n] = layer[src, :, :n]
         self._lengths[dst] = n
+        self._readable[dst] = max(self._readable[dst], n)
 
     @property
     def num_free_slots(self) -> int:
@@ -127,6 +132,17 @@ class KVCache:
         if len(set(slots)) != len(slots):
             raise ValueError(f"a ragged batch names the same cache slot twice: {slots}")
         return starts
+
+    def make_readable(self, slots: list[int], upto: int) -> None:
+        """Zero never-written positions below `upto` of these slots, once per slot
+        lifetime, before a forward reads them. Call before writing new keys."""
+        for slot in slots:
+            start = self._readable[slot]
+            if start >= upto:
+                continue
+            for buf in (*self.keys, *self.values):
+                buf[slot, :, start:upto].zero_()
+            self._readable[slot] = upto
 
     def commit(self, slots: list[int], query_lens: list[int]) -> None:
         """Advance each slot's length by its query length (after a forward)."""

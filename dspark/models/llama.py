@@ -297,7 +297,7 @@ def make_plan(batch: RaggedBatch, cache: KVCache, config: TargetConfig, dtype: t
     row_of = {slot: b for b, slot in enumerate(span_slots)}
     max_query = max(qlens)
     attended = max(s + q for s, q in zip(starts, qlens))
-    pass  # cache.make_readable(slots, attended)
+    cache.make_readable(slots, attended)
     dense = span_slots == slots and all(q == max_query for q in qlens)
     scatter = None
     if not dense:
