@@ -181,6 +181,8 @@ class Engine:
         )
         if not batch.entries:
             return None, out.tapped_hidden
+        if not torch.isfinite(out.logits).all():
+            raise RuntimeError("the target produced non-finite logits; check the model weights and dtype")
         target_logits = batch.scatter_logits(out.logits)
         entries = batch.entries
         result = verify(
