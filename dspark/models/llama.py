@@ -199,13 +199,21 @@ class Backbone(nn.Module):
 
     def __init__(self, config: TargetConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # uninitialised like every weight here (a state dict fills them); passing the tensor also
+        # skips nn.Embedding's normal_() init, which on the meta device imports torch._dynamo (~2 s)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class TargetModel(nn.Module):
-    """The target LLM: one ragged forward per speculative round."""
+    """The target LLM: one ragged forward per speculative round.
+
+    Built from a config its weights are uninitialised: fill them with `load_state_dict`
+    (HF names), as `dspark.models.loading` and `dspark.models.tiny` do.
+    """
 
     def __init__(self, config: TargetConfig) -> None:
         super().__init__()

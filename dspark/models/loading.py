@@ -134,12 +134,17 @@ def _read_json(file: Path, what: str) -> dict:
 
 
 def load_tokenizer(folder: Path):
-    """The folder's tokenizer (with its chat template), or None when it ships none."""
+    """The folder's tokenizer (with its chat template), or None when it ships none.
+
+    A folder with `tokenizer.json` is read by the generic fast tokenizer, which skips
+    AutoTokenizer's model-config imports (about 3 s); others go through AutoTokenizer."""
     if not any((folder / f).is_file() for f in _TOKENIZER_FILES):
         return None
-    from transformers import AutoTokenizer
-
+    if (folder / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast as tokenizer_class
+    else:
+        from transformers import AutoTokenizer as tokenizer_class
     try:
-        return AutoTokenizer.from_pretrained(str(folder))
+        return tokenizer_class.from_pretrained(str(folder))
     except (OSError, ValueError) as err:
         raise CheckpointError(f"cannot read the tokenizer in {folder} ({err}); re-download or re-convert it") from None
