@@ -179,11 +179,6 @@ class InProcessBackend:
             options = {"k": drafter.block_size}
         policy = make_policy(arm.policy, cost, **options)  # fresh: a policy may keep state between steps
         engine = Engine(self.loaded.model, drafter, policy, self.engine_config, tokenizer=self.loaded.tokenizer)
-        # Workaround: ragged attention reads unwritten KV positions (masked, but 0 * NaN = NaN), and a
-        # fresh engine's torch.empty buffers may reuse freed memory holding -inf/NaN (e.g. old masks).
-        # Zeroing costs one pass over the cache; tests/test_bench_load_soak.py keeps the bug visible.
-        for buffer in engine.kv.keys + engine.kv.values:
-            buffer.zero_()
         async_engine = AsyncEngine(engine)
         async_engine.start()
         return async_engine
