@@ -107,6 +107,25 @@ def _parser() -> argparse.ArgumentParser:
     bd.add_argument("--max-new-tokens", type=int, default=128)
     bd.add_argument("--out", default=None, help="also write the report (Markdown) and its JSON here")
     _add_target_args(bd)
+    bdr = bsub.add_parser("draft", help="drafting time per round against target verification")
+    bdr.add_argument("--repeats", type=int, default=5)
+    _add_target_args(bdr)
+    bs = bsub.add_parser("serve", help="load generator: throughput vs per-user speed per arm")
+    bs.add_argument("--arm", action="append", default=[],
+                    help="NAME=DRAFTER:POLICY[:k|threshold] (in-process) or NAME=http://127.0.0.1:PORT; repeatable")
+    bs.add_argument("--dspark", default=None, help="trained DSpark drafter folder: adds the paper's arms")
+    bs.add_argument("--mtp", default=None, help="trained MTP-1 drafter folder for the mtp1 arm")
+    bs.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="closed-loop client counts")
+    bs.add_argument("--rates", default="", help="open-loop Poisson arrival rates (requests/s), comma separated")
+    bs.add_argument("--max-new-tokens", type=int, default=64)
+    bs.add_argument("--max-seconds", type=float, default=3600.0, help="no new level starts after this")
+    bs.add_argument("--out", default="runs/load", help="folder for JSON and plots")
+    _add_target_args(bs)
+    bk = bsub.add_parser("soak", help="many streaming clients with cancellations and malformed requests")
+    bk.add_argument("--url", required=True, help="a running dspark serve on 127.0.0.1")
+    bk.add_argument("--clients", type=int, default=16)
+    bk.add_argument("--requests", type=int, default=200)
+    bk.add_argument("--max-seconds", type=float, default=300.0)
     return parser
 
 
@@ -235,12 +254,50 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UserError(f"{flag} takes comma-separated whole numbers, got {text!r}") from None
+
+
 def cmd_bench(args) -> int:
     if args.bench == "decode":
         from dspark.bench.decode_cli import run
 
         run(args)
+    elif args.bench == "draft":
+        from dspark.bench.draft import run_draft_bench
+        from dspark.models import load_target
+
+        run_draft_bench(load_target(args.target, home=args.home, dtype=_dtype(args.dtype)).model, repeats=args.repeats)
+    elif args.bench == "serve":
+        _bench_serve(args)
+    elif args.bench == "soak":
+        from dspark.bench.soak import SoakSettings, run_soak
+
+        settings = SoakSettings(clients=args.clients, requests=args.requests, max_seconds=args.max_seconds)
+        return 0 if run_soak(args.url, settings).passed else 1
     return 0
+
+
+def _bench_serve(args) -> None:
+    from dataclasses import replace
+
+    from dspark.bench.arms import paper_arms, parse_arm
+    from dspark.bench.clients import SamplingSpec
+    from dspark.bench.load import LoadSettings, run_load_bench
+
+    arms = [parse_arm(a) for a in args.arm]
+    if args.dspark or args.mtp or not arms:
+        arms += paper_arms(args.dspark, args.mtp)
+    rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
+    settings = LoadSettings(
+        concurrency=_ints(args.concurrency, "--concurrency"), rates=rates, max_seconds=args.max_seconds,
+        sampling=replace(SamplingSpec(), max_new_tokens=args.max_new_tokens),
+    )
+    run_load_bench(arms, settings, target=args.target, home=args.home, dtype=args.dtype, out_dir=args.out,
+                   command="dspark " + " ".join(sys.argv[1:]))
 
 
 COMMANDS = {
