@@ -57,8 +57,18 @@ def test_folder_without_tokenizer(capsys, tmp_path):
     assert "tokenizer" in _error(capsys, ["generate", "--prompt", "hi", "--target", str(folder)])
 
 
+@pytest.fixture
+def embedded_converted(capsys):
+    """Convert the embedded model first, so its one-time progress lines are not
+    mistaken for the error output under test."""
+    from dspark.models.embedded import ensure_embedded_target
+
+    ensure_embedded_target()
+    capsys.readouterr()
+
+
 @pytest.mark.slow
-def test_unknown_drafter_and_long_prompt_on_embedded_model(capsys):
+def test_unknown_drafter_and_long_prompt_on_embedded_model(capsys, embedded_converted):
     msg = _error(capsys, ["generate", "--prompt", "hi", "--drafter", "no-such-drafter"])
     assert "unknown drafter" in msg and "ngram" in msg
     msg = _error(capsys, ["generate", "--prompt", "word " * 9000, "--drafter", "none"])
