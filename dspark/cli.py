@@ -224,13 +224,12 @@ def cmd_train(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from dspark.train.run import format_calibration, run_calibrate
+    from dspark.train.run import run_calibrate
 
-    report = run_calibrate(
+    run_calibrate(
         args.drafter, args.data, target_path=args.target, holdout_fraction=args.holdout_fraction,
         max_sequences=args.max_sequences, labels=args.labels, write=not args.no_write,
-    )
-    print(format_calibration(report))
+    )  # prints its per-position report
     return 0
 
 
