@@ -257,7 +257,7 @@ class ChatEncoder:
         self._ids: dict[str, list[int]] = {}
 
     def __call__(self, prompt: BenchPrompt) -> list[int]:
-        from dspark.server.textio import encode_chat
+        from dspark.models.chat import encode_chat
 
         if prompt.id not in self._ids:
             self._ids[prompt.id] = encode_chat(self.tokenizer, list(prompt.messages))

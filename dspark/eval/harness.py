@@ -28,6 +28,7 @@ from dspark.engine.generate import GenerationResult, generate
 from dspark.errors import UserError
 from dspark.eval.benchmarks import BENCHMARKS, Prompt, load_suites
 from dspark.eval.records import BenchResult, DrafterRun, EvalRun, EvalSettings, RoundRecord, environment
+from dspark.models.chat import encode_chat
 from dspark.schedule import FixedLength, ScheduleOutcome, ScheduleRequest
 from dspark.types import SamplingParams, SpecStats
 
@@ -67,15 +68,6 @@ class RecordingPolicy:
         return rounds
 
 
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a conversation in the model's chat template, ready for the
-    assistant's next answer."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
-
-
 def run_conversation(
     engine: Engine, prompt: Prompt, params: SamplingParams, index: int
 ) -> list[GenerationResult]:
@@ -85,7 +77,7 @@ def run_conversation(
     results = []
     for turn, text in enumerate(prompt.turns):
         messages.append({"role": "user", "content": text})
-        ids = chat_ids(engine.tokenizer, messages)
+        ids = encode_chat(engine.tokenizer, messages)
         seed = params.seed + SEED_STRIDE * index + turn
         result = generate(engine, ids, replace(params, seed=seed))
         messages.append({"role": "assistant", "content": result.text})
@@ -96,7 +88,7 @@ def run_conversation(
 def conversation_length(tokenizer, prompt: Prompt, max_new_tokens: int) -> int:
     """Most tokens a conversation can need: its turns, every answer and the chat
     template's overhead per turn."""
-    turns = sum(len(chat_ids(tokenizer, [{"role": "user", "content": t}])) for t in prompt.turns)
+    turns = sum(len(encode_chat(tokenizer, [{"role": "user", "content": t}])) for t in prompt.turns)
     return turns + len(prompt.turns) * (max_new_tokens + CONTEXT_MARGIN)
 
 
@@ -158,7 +150,7 @@ def _lane(target, tokenizer, label: str, spec: str, drafter: Drafter, max_seq_le
     engine = Engine(target, drafter, policy, EngineConfig(max_running=1, max_seq_len=max_seq_len),
                     tokenizer=tokenizer)
     # one short untimed generation, so lazy initialisation is not billed to the first benchmark
-    generate(engine, chat_ids(tokenizer, [{"role": "user", "content": "Hello"}]),
+    generate(engine, encode_chat(tokenizer, [{"role": "user", "content": "Hello"}]),
              SamplingParams(temperature=0.0, max_new_tokens=4, seed=0))
     policy.take_rounds()
     return _Lane(label, spec, drafter, engine, policy)

@@ -9,7 +9,6 @@ The tokenizer is duck-typed (a Hugging Face tokenizer, or a test fake) with:
 
 from __future__ import annotations
 
-from dspark.models.chat import encode_chat, encode_text  # noqa: F401  (re-exported for the server)
 
 
 class TextStream:
