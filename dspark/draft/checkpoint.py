@@ -132,16 +132,13 @@ def save_drafter(
 
 
 def _read_config(folder: Path) -> dict:
-    path = folder / CONFIG_NAME
-    if not path.is_file():
-        raise CheckpointError(f"{folder} has no {CONFIG_NAME}; pass a drafter folder written by dspark or DeepSpec")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON ({exc}); re-save the drafter") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{path} must hold a JSON object; re-save the drafter")
-    return cfg
+    from dspark.models.loading import read_json_object
+
+    return read_json_object(
+        folder / CONFIG_NAME,
+        missing=f"{folder} has no {CONFIG_NAME}; pass a drafter folder written by dspark or DeepSpec",
+        fix="re-save the drafter",
+    )
 
 
 def _kind_of(cfg: dict, folder: Path) -> str:

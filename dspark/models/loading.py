@@ -122,14 +122,24 @@ def _load_file(file: Path) -> dict[str, torch.Tensor]:
 
 
 def _read_json(file: Path, what: str) -> dict:
+    return read_json_object(
+        file,
+        missing=f"{file} is missing ({what}); the folder must be a Hugging Face model folder",
+        fix="re-download or fix it",
+    )
+
+
+def read_json_object(file: Path, *, missing: str, fix: str) -> dict:
+    """The JSON object in `file`; CheckpointError with `missing` when absent, or
+    naming the file and `fix` when it is not a JSON object."""
     if not file.is_file():
-        raise CheckpointError(f"{file} is missing ({what}); the folder must be a Hugging Face model folder")
+        raise CheckpointError(missing)
     try:
         data = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{file} is not valid JSON ({err}); re-download or fix it") from None
+        raise CheckpointError(f"{file} is not valid JSON ({err}); {fix}") from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"{file} should hold a JSON object")
+        raise CheckpointError(f"{file} must hold a JSON object; {fix}")
     return data
 
 
