@@ -150,3 +150,23 @@ def test_engine_greedy_output_unchanged_by_learned_drafters(kind, cfg):
     drafter = build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, **cfg)
     policy = "dspark" if kind == "dspark" else "fixed"
     assert generate(_engine(target, drafter, policy), prompt, params).token_ids == want
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3", "mtp"])
+def test_final_norm_starts_from_the_targets(kind):
+    """build_drafter(final_norm_weight=...) copies the target's final RMSNorm
+    scale into the drafter's `norm` (the one feeding the shared LM head); a
+    wrong shape is refused."""
+    from dspark.errors import UserError
+
+    target = tiny_target(seed=1)
+    scale = torch.rand(target.config.hidden_size) + 0.5
+    size = 1 if kind == "mtp" else 4
+    d = build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, block_size=size,
+                      final_norm_weight=scale)
+    assert torch.equal(d.norm.weight.detach(), scale)
+    plain = build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, block_size=size)
+    assert torch.equal(plain.norm.weight.detach(), torch.ones_like(scale))
+    with pytest.raises(UserError, match="final norm"):
+        build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, block_size=size,
+                      final_norm_weight=scale[:-1])

@@ -86,6 +86,33 @@ def test_feature_cache_matches_online_and_respects_cap(tmp_path, capsys):
     assert torch.allclose(online.target_logits * valid, cached.target_logits * valid, atol=5e-2)
 
 
+def test_feature_cache_with_more_layers_serves_a_subset(tmp_path):
+    """A cache storing a superset of taps (shared by several recipes) hands each
+    drafter only its own layers, in its own order; a missing layer is refused."""
+    from dspark.errors import UserError
+
+    target = tiny_target(seed=0)
+    store = SequenceStore(write_toy_data(tmp_path / "data", num=4))
+    folder = build_feature_cache(target, store, list(range(4)), (0, 1), tmp_path / "c", max_seq_len=32,
+                                 max_gb=1.0, target_name="tiny", progress=False)
+    batch = make_batch([store.get(i, 32) for i in (0, 3)], [5, 6], anchors_per_seq=3, block_size=3)
+    both = CachedFeatures(target, folder, (0, 1))(batch, [0, 3]).tapped_hidden
+    only_1 = CachedFeatures(target, folder, (1,))(batch, [0, 3]).tapped_hidden
+    swapped = CachedFeatures(target, folder, (1, 0))(batch, [0, 3]).tapped_hidden
+    assert only_1.shape[2] == 1 and torch.equal(only_1[:, :, 0], both[:, :, 1])
+    assert torch.equal(swapped[:, :, 0], both[:, :, 1]) and torch.equal(swapped[:, :, 1], both[:, :, 0])
+    with pytest.raises(UserError, match="cache_tap_layers"):
+        CachedFeatures(target, folder, (0, 2))
+
+
+def test_cache_tap_layers_config_is_checked(tmp_path):
+    from dspark.errors import UserError
+
+    with pytest.raises(UserError, match="list of layer indices"):
+        config_from_dict({"features": {"cache_tap_layers": [1, "x"]}})
+    assert config_from_dict({"features": {"cache_tap_layers": [3, 1]}}).features.cache_tap_layers == (3, 1)
+
+
 def test_training_reduces_loss(tmp_path):
     cfg = _cfg(tmp_path / "run", write_toy_data(tmp_path / "data"), total_steps=40, lr=1e-2, ckpt_every=100)
     trainer = _trainer(cfg)

@@ -71,13 +71,27 @@ def build_drafter(
     lm_head_weight: torch.Tensor,
     *,
     seed: int = 0,
+    final_norm_weight: torch.Tensor | None = None,
     **config,
 ) -> TrainableDrafter:
     """A freshly initialised drafter of `kind` for the target; `config` holds
-    the kind's config fields (unknown keys are errors)."""
+    the kind's config fields (unknown keys are errors).
+
+    `final_norm_weight` starts the drafter's own final `norm` (the one feeding
+    the shared LM head) at the given scale instead of at ones. At ones the
+    random first hidden states give confident wrong logits (cross-entropy
+    several times a uniform guess's); the trainer passes a small multiple of
+    the target's final-norm scale so the first logits are near uniform
+    (`dspark.train.run.INIT_NORM_SCALE`)."""
     embed = target_embed.weight if isinstance(target_embed, nn.Embedding) else target_embed
     drafter = make_drafter(kind, target_config, embed, lm_head_weight, config)
     init_weights(drafter, seed)
+    if final_norm_weight is not None:
+        if final_norm_weight.shape != drafter.norm.weight.shape:
+            raise UserError(f"final_norm_weight has shape {tuple(final_norm_weight.shape)}, the drafter's norm "
+                            f"{tuple(drafter.norm.weight.shape)}; pass the target's final norm weight")
+        with torch.no_grad():
+            drafter.norm.weight.copy_(final_norm_weight.detach().to(drafter.norm.weight.dtype))
     return drafter.to(embed.device)
 
 

@@ -49,6 +49,9 @@ class FeaturesConfig:
     mode: str = "online"  # online: run the frozen target each step; cache: read a precomputed cache
     cache_dir: str = ""  # cache folder (mode = cache); "" = <out_dir>/feature_cache
     cache_max_gb: float = 8.0  # refuse to write a cache larger than this
+    # target layers the cache stores; () = the drafter's own taps. A superset (e.g. the union of
+    # every recipe's taps) lets several recipes share one cache; each reads only its own layers.
+    cache_tap_layers: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -175,9 +178,12 @@ def _coerce(kind: Any, value: Any, label: str) -> Any:
         return float(value)
     if kind is dict and isinstance(value, dict):
         return dict(value)
+    if kind is tuple and isinstance(value, (list, tuple)) and all(type(v) is int and v >= 0 for v in value):
+        return tuple(value)
     if kind in (int, float, str, bool) and type(value) is kind:
         return value
-    raise UserError(f"{label} must be of type {getattr(kind, '__name__', kind)}, got {value!r}")
+    what = "a list of layer indices (integers >= 0)" if kind is tuple else f"of type {getattr(kind, '__name__', kind)}"
+    raise UserError(f"{label} must be {what}, got {value!r}")
 
 
 def config_from_dict(raw: dict) -> TrainConfig:

@@ -198,8 +198,13 @@ class CachedFeatures:
         meta_path = folder / CACHE_META
         if not meta_path.is_file():
             raise UserError(f"no feature cache in {folder}; build it first (or use [features] mode = \"online\")")
-        if json.loads(meta_path.read_text())["tap_layers"] != list(tap_layers):
-            raise UserError(f"feature cache {folder} taps other layers than the drafter; delete it and rebuild")
+        stored = json.loads(meta_path.read_text())["tap_layers"]
+        missing = sorted(set(tap_layers) - set(stored))
+        if missing:
+            raise UserError(f"feature cache {folder} stores layers {stored}, not the drafter's {missing}; "
+                            "delete it and rebuild, or add the layers to [features] cache_tap_layers")
+        # the drafter's layers, in its order, picked out of the stored ones
+        self.select = None if list(tap_layers) == stored else torch.tensor([stored.index(t) for t in tap_layers])
         self.where: dict[int, tuple[Path, int, int]] = {}
         for path in sorted(folder.glob("features-*.safetensors")):
             with safe_open(str(path), framework="pt") as f:
@@ -214,7 +219,8 @@ class CachedFeatures:
         path, start, end = self.where[index]
         end = min(end, start + length)
         with safe_open(str(path), framework="pt") as f:
-            return f.get_slice("tapped")[start:end], f.get_slice("last")[start:end]
+            tapped = f.get_slice("tapped")[start:end]
+            return (tapped if self.select is None else tapped[:, self.select]), f.get_slice("last")[start:end]
 
     def __call__(self, batch: AnchorBatch, indices: list[int]) -> TargetFeatures:
         device = self.model.embed_tokens.weight.device
