@@ -82,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--data", default="data/prepared", help="prepared data folder (its held-out part is used)")
     c.add_argument("--holdout-fraction", type=float, default=0.02)
     c.add_argument("--max-sequences", type=int, default=512)
+    c.add_argument("--anchors-per-seq", type=int, default=16,
+                   help="blocks cut from each held-out sequence (more blocks: steadier temperatures)")
     c.add_argument("--labels", default="realised", choices=["realised", "soft"])
     c.add_argument("--no-write", action="store_true", help="report only; do not store the temperatures")
     c.add_argument("--target", default=None)
@@ -228,7 +230,8 @@ def cmd_calibrate(args) -> int:
 
     run_calibrate(
         args.drafter, args.data, target_path=args.target, holdout_fraction=args.holdout_fraction,
-        max_sequences=args.max_sequences, labels=args.labels, write=not args.no_write,
+        max_sequences=args.max_sequences, anchors_per_seq=args.anchors_per_seq, labels=args.labels,
+        write=not args.no_write,
     )  # prints its per-position report
     return 0
 

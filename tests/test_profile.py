@@ -154,3 +154,23 @@ def test_run_profile_prints_the_table_and_plots(tmp_path, capsys):
     assert table.budgets == SMALL.budgets(3) and "tiny-llama-4" in table.key.model
     again = run_profile(str(folder), "ngram", home=tmp_path / "home", block_size=3, settings=SMALL, out_png=png)
     assert "reused" in capsys.readouterr().out and again.points() == table.points()
+
+
+def test_profile_measures_forward_and_drafting_apart(tmp_path):
+    """outcome.cost holds F(B) over the budget grid and D(R) for R = 1..max_requests;
+    a drafter that sleeps 30 ms per propose shows up in D, not in F, and the single
+    curve is F(B) + D(fewest requests that verify B)."""
+    from dspark.schedule.cost import SplitCost
+
+    target = tiny_target(seed=1, vocab_size=96)
+    drafter = SlowDrafter(NgramDrafter(block_size=4), delay_s=0.03)
+    out = profile_engine(target, drafter, model_id="tiny", settings=SMALL, home=tmp_path, progress=False)
+    cost = out.cost
+    assert isinstance(cost, SplitCost)
+    assert cost.forward.budgets == SMALL.budgets(4) and cost.draft.budgets == [1, 2, 3]
+    assert all(s >= 0.03 for _, s in cost.draft.points())
+    assert all(s < 0.03 for _, s in cost.forward.points())  # a tiny target's forward: well under 30 ms
+    for b, s in out.table.points():
+        assert s == pytest.approx(cost.forward.seconds_per_step(b) + cost.draft.seconds_per_step(-(-b // 5)))
+    again = profile_engine(target, drafter, model_id="tiny", settings=SMALL, home=tmp_path, progress=False)
+    assert again.reused and again.cost.draft.points() == cost.draft.points()

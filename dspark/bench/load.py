@@ -164,7 +164,7 @@ class InProcessBackend:
                 settings = self.profile or ProfileSettings(max_requests=min(16, self.engine_config.max_running))
                 cost = profile_engine(model, drafter, model_id=f"{loaded.name}@{loaded.path}",
                                       drafter_id=f"{arm.drafter}:{drafter.name}", settings=settings,
-                                      tokenizer=loaded.tokenizer, home=self.home, progress=False).table
+                                      tokenizer=loaded.tokenizer, home=self.home, progress=False).cost
             self._drafters[arm.name] = (drafter, cost)
         return self._drafters[arm.name]
 
@@ -196,7 +196,9 @@ class InProcessBackend:
         drafter, cost = self._drafters[arm.name]
         return {"drafter_name": drafter.name, "block_size": drafter.block_size,
                 "has_confidence": bool(getattr(drafter, "has_confidence", False)),
-                "cost_table": None if cost is None else [[b, s] for b, s in cost.points()]}
+                "cost_table": None if cost is None else {
+                    "forward": [[b, s] for b, s in cost.forward.points()],
+                    "draft": [[r, s] for r, s in cost.draft.points()]}}
 
     async def aclose(self) -> None:
         """Engines are shut down after each level."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.draft.base import Drafter
+from dspark.draft.base import Drafter, empty_proposal
 from dspark.engine.batcher import Batcher, BatchLimits, StepPlan
 from dspark.engine.forward import StepBatch, build_step_batch
 from dspark.engine.request import Request, Status
@@ -84,6 +84,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.num_draft_skips = 0  # decode steps where the policy chose not to draft
         self.step_seconds = 0.0
 
     # ------------------------------------------------------------------ API
@@ -148,6 +149,10 @@ class Engine:
                 draft_tokens=torch.zeros(0, self.drafter.block_size, dtype=torch.int64),
                 num_drafted=torch.zeros(0, dtype=torch.int64),
             )
+        wants_draft = getattr(self.policy, "wants_draft", None)
+        if wants_draft is not None and not wants_draft([r.request_id for r in decoding]):
+            self.num_draft_skips += 1  # a plain decode step: the policy saw no gain in drafting
+            return empty_proposal(len(decoding), self.drafter.block_size)
         anchors = torch.tensor([r.anchor for r in decoding], dtype=torch.int64)
         proposal = self.drafter.propose(
             [r.draft_state for r in decoding], anchors, [r.params for r in decoding],

@@ -36,6 +36,7 @@ import torch
 
 from dspark.errors import UserError
 from dspark.schedule import CostKey, CostTable, budget_grid, profile_points, settings_fingerprint
+from dspark.schedule.cost import SplitCost
 from dspark.types import RaggedBatch, SamplingParams
 
 # Filler for the synthetic context (tiled to context_len tokens when a tokenizer is given).
@@ -137,6 +138,7 @@ class ProfileOutcome:
     table: CostTable
     path: Path | None  # the cache file (None: not cached)
     reused: bool  # True: read from the cache, nothing measured
+    cost: SplitCost | None = None  # target forward F(B) and drafting D(R) apart (profile_engine)
 
 
 def load_or_profile(
@@ -219,14 +221,26 @@ class StepBench:
             self.cache.commit([slot], [len(context)])
         return int(out.logits[0].argmax()), out.tapped_hidden  # tapped: [L, T, D] or None
 
+    def _propose(self, count: int):
+        return self.drafter.propose(self.states[:count], self.anchors[:count], self.params[:count],
+                                    self.generators[:count])
+
     @torch.no_grad()
-    def step_seconds(self, query_lens: list[int]) -> float:
-        """Time one synthetic step: propose for len(query_lens) requests, verify their tokens."""
+    def propose_seconds(self, count: int) -> float:
+        """Time one batched propose for `count` requests (the drafting part of a step)."""
+        start = time.perf_counter()
+        self._propose(count)
+        return time.perf_counter() - start
+
+    @torch.no_grad()
+    def step_seconds(self, query_lens: list[int], include_propose: bool = True) -> float:
+        """Time one synthetic step: propose for len(query_lens) requests, verify their tokens.
+        `include_propose=False` times the target forward alone (the propose still runs, untimed)."""
         count = len(query_lens)
         start = time.perf_counter()
-        proposal = self.drafter.propose(
-            self.states[:count], self.anchors[:count], self.params[:count], self.generators[:count]
-        )
+        proposal = self._propose(count)
+        if not include_propose:
+            start = time.perf_counter()
         tokens: list[int] = []
         for r, q in enumerate(query_lens):
             tokens.append(int(self.anchors[r]))
@@ -246,10 +260,14 @@ class StepBench:
         for _ in range(self.settings.warmup):
             self.step_seconds(lens)
 
-    def measure(self, budget: int) -> float:
-        """Median seconds of one step verifying `budget` tokens."""
+    def measure(self, budget: int, include_propose: bool = True) -> float:
+        """Median seconds of one step verifying `budget` tokens (or of its target forward alone)."""
         lens = split_budget(budget, self.drafter.block_size, self.settings.max_requests)
-        return statistics.median(self.step_seconds(lens) for _ in range(self.settings.repeats))
+        return statistics.median(self.step_seconds(lens, include_propose) for _ in range(self.settings.repeats))
+
+    def measure_propose(self, count: int) -> float:
+        """Median seconds of one batched propose for `count` requests."""
+        return statistics.median(self.propose_seconds(count) for _ in range(self.settings.repeats))
 
     def close(self) -> None:
         """Release the drafter states and the scratch cache."""
@@ -281,6 +299,11 @@ def profile_engine(
 ) -> ProfileOutcome:
     """SPS(B) for `target` + `drafter` on this machine: cached, or measured now.
 
+    Two curves are measured (and cached) apart: the target forward F(B) over
+    the budget grid, and one batched propose D(R) for R = 1..max_requests.
+    `outcome.cost` is that `SplitCost`; `outcome.table` is the single curve
+    F(B) + D(ceil(B / (1 + G))) (the fewest requests that verify B tokens).
+
     `model_id` and `drafter_id` name what is loaded (a path, a name); they go
     into the cache key with the dtype, the hardware and `settings`.
     """
@@ -289,24 +312,37 @@ def profile_engine(
     drafter_id = drafter_id or drafter.name
     extra = {"block_size": drafter.block_size, "tap_layers": list(drafter.tap_layers),
              "context": "passage" if tokenizer is not None else "pseudo-text"}
-    key = profile_key(model_id, f"{drafter_id}|G={drafter.block_size}", dtype, device, settings, extra)
-    path = profile_path(key, home) if cache else None
+    name = f"{drafter_id}|G={drafter.block_size}"
+    key = profile_key(model_id, name, dtype, device, settings, extra)
+    forward_key = profile_key(model_id, f"{name}|forward", dtype, device, settings, extra)
+    draft_key = profile_key(model_id, f"{name}|draft", dtype, device, settings, extra)
     budgets = settings.budgets(drafter.block_size)
+    counts = budget_grid(settings.max_requests, dense_until=settings.dense_until, ratio=settings.ratio)
     bench: StepBench | None = None
 
-    def measure(budget: int) -> float:
+    def ready() -> StepBench:
         nonlocal bench
         if bench is None:  # built lazily: a cache hit never touches the model
             context = synthetic_context(settings.context_len, target.config.vocab_size, tokenizer)
             bench = StepBench(target, drafter, settings, context)
             bench.warm_up(max(budgets))
-        return bench.measure(budget)
+        return bench
+
+    def path_of(k: CostKey) -> Path | None:
+        return profile_path(k, home) if cache else None
 
     try:
-        return load_or_profile(key, measure, budgets, path=path, refresh=refresh, progress=progress)
+        forward = load_or_profile(forward_key, lambda b: ready().measure(b, include_propose=False), budgets,
+                                  path=path_of(forward_key), refresh=refresh, progress=progress)
+        draft = load_or_profile(draft_key, lambda r: ready().measure_propose(r), counts,
+                                path=path_of(draft_key), refresh=refresh, progress=progress)
     finally:
         if bench is not None:
             bench.close()
+    split = SplitCost(forward.table, draft.table)
+    per_request = 1 + drafter.block_size
+    table = CostTable({b: split.seconds(b, math.ceil(b / per_request)) for b in budgets}, key=key)
+    return ProfileOutcome(table, forward.path, reused=forward.reused and draft.reused, cost=split)
 
 
 def format_table(table: CostTable) -> str:
@@ -314,6 +350,17 @@ def format_table(table: CostTable) -> str:
     lines = [f"{'B':>5} {'ms/step':>9} {'steps/s':>9} {'tokens/s':>9}"]
     for budget, seconds in table.points():
         lines.append(f"{budget:>5} {1e3 * seconds:>9.2f} {1.0 / seconds:>9.2f} {budget / seconds:>9.1f}")
+    return "\n".join(lines)
+
+
+def format_split(cost: SplitCost) -> str:
+    """The two measured curves side by side: F(B) per budget, D(R) per request count."""
+    lines = [f"{'B':>5} {'F ms':>9}    {'R':>4} {'D ms':>9}"]
+    f_points, d_points = cost.forward.points(), cost.draft.points()
+    for i in range(max(len(f_points), len(d_points))):
+        left = f"{f_points[i][0]:>5} {1e3 * f_points[i][1]:>9.2f}" if i < len(f_points) else " " * 15
+        right = f"{d_points[i][0]:>4} {1e3 * d_points[i][1]:>9.2f}" if i < len(d_points) else ""
+        lines.append(f"{left}    {right}".rstrip())
     return "\n".join(lines)
 
 
@@ -348,6 +395,8 @@ def run_profile(
     print(f"SPS(B) for {loaded.name} + {drafter.name} (G={drafter.block_size}), {how}")
     print(f"key: {table.key}")
     print(format_table(table))
+    print("\ntarget forward alone F(B), and one batched propose D(R) for R requests:")
+    print(format_split(outcome.cost))
     png = Path(out_png) if out_png is not None else (outcome.path.with_suffix(".png") if outcome.path else None)
     if png is not None:
         table.plot(png)

@@ -270,3 +270,58 @@ def profile_points(
             raise ValueError(f"measure({b}) returned {seconds}; it must return seconds per step (> 0)")
         points[int(b)] = seconds
     return CostTable(points, key=key, monotone=monotone)
+
+
+class SplitCost:
+    """Step time split into its two parts: seconds = F(B) + D(R).
+
+    F (`forward`) is the target forward that verifies B tokens; D (`draft`) is
+    one batched `propose` for R requests (its table's "budget" axis is R). A
+    drafted step of R requests verifying B tokens takes F(B) + D(R); a step
+    whose drafting was skipped takes F(R) (each request decodes one token).
+
+    Why split: drafting costs per *request*, verification per *token*. On a
+    GPU D is a few percent of a step and a single curve over B is enough; on
+    a CPU drafting is 20-40 % of a round (docs/DRAFTING.md), R requests with
+    l = 0 still pay D(R), and only this split lets the scheduler see that
+    skipping the draft altogether is sometimes the faster step.
+
+    `given_requests(R)` is the single curve SPS(B) = 1 / (F(B) + D(R)) that
+    Algorithm 1 walks for a batch of R drafted requests.
+    """
+
+    def __init__(self, forward: CostTable, draft: CostTable) -> None:
+        self.forward, self.draft = forward, draft
+        self.key = forward.key
+
+    def seconds(self, budget: int, requests: int, drafted: bool = True) -> float:
+        """Seconds of one step of `requests` requests verifying `budget` tokens."""
+        return self.forward.seconds_per_step(budget) + (self.draft.seconds_per_step(requests) if drafted else 0.0)
+
+    def given_requests(self, requests: int) -> "_DraftedCurve":
+        return _DraftedCurve(self, requests)
+
+    def points(self) -> list[tuple[int, float]]:
+        """The forward curve's measured points (for reports that show one curve)."""
+        return self.forward.points()
+
+    def to_json(self) -> dict:
+        return {"forward": self.forward.to_json(), "draft": self.draft.to_json()}
+
+
+class _DraftedCurve:
+    """SPS(B) of a drafted step of a fixed number of requests (duck-types `CostTable.sps`)."""
+
+    def __init__(self, cost: SplitCost, requests: int) -> None:
+        self._cost, self._draft = cost, cost.draft.seconds_per_step(max(1, requests))
+
+    def seconds_per_step(self, budget: int) -> float:
+        return self._cost.forward.seconds_per_step(budget) + self._draft
+
+    def sps(self, budget: int) -> float:
+        return 1.0 / self.seconds_per_step(budget)
+
+
+def curve_for(cost: "CostTable | SplitCost", requests: int):
+    """The SPS(B) curve a scheduler walks for `requests` drafted requests."""
+    return cost.given_requests(requests) if isinstance(cost, SplitCost) else cost

@@ -31,6 +31,10 @@ class NoSpeculation:
 
     name = "none"
 
+    def wants_draft(self, request_ids) -> bool:
+        """Nothing is ever verified, so nothing is drafted."""
+        return False
+
     def decide(self, requests: list[ScheduleRequest]) -> list[int]:
         return [0 for _ in requests]
 

@@ -31,7 +31,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from dspark.schedule.base import ScheduleOutcome, ScheduleRequest, survival
-from dspark.schedule.cost import CostTable
+from dspark.schedule.cost import CostTable, SplitCost, curve_for
+from dspark.schedule.gate import DraftGate
 
 Candidate = tuple[int, int, float]  # (request index r, position j >= 1, survival a_{r,j})
 
@@ -44,7 +45,7 @@ def ranked_candidates(survivals: Sequence[Sequence[float]]) -> list[Candidate]:
     return cands
 
 
-def greedy_walk(cands: Sequence[Candidate], cost: CostTable, base_tokens: int, base_accepts: float, early_stop: bool) -> int:
+def greedy_walk(cands: Sequence[Candidate], cost, base_tokens: int, base_accepts: float, early_stop: bool) -> int:
     """Walk the admission path; return how many leading candidates to admit.
 
     Algorithm 1, lines 5-15: B and tau start at the base (R tokens, R
@@ -115,19 +116,33 @@ class PrefixScheduler:
     unimodal along the path (e.g. time per step affine in B).
 
     Requests without confidences verify all drafted tokens (FixedLength fallback).
+
+    With a `SplitCost` (target forward F(B) and drafting D(R) measured apart)
+    the walk uses SPS(B) = 1 / (F(B) + D(R)) for the batch's R requests, and
+    `wants_draft` lets the engine skip drafting when even the best drafted
+    step would be slower than a plain decode step (`DraftGate`). With a
+    single `CostTable` every step drafts.
     """
 
     name = "dspark"
 
-    def __init__(self, cost: CostTable) -> None:
+    def __init__(self, cost: CostTable | SplitCost) -> None:
         self.cost = cost
+        self.gate = DraftGate(cost) if isinstance(cost, SplitCost) else None
+
+    def wants_draft(self, request_ids: Sequence[Hashable]) -> bool:
+        """Before drafting: should this step draft at all? (past confidences only)"""
+        return True if self.gate is None else self.gate.wants_draft(request_ids)
 
     def decide(self, requests: list[ScheduleRequest]) -> list[int]:
         if not requests:
             return []
+        if self.gate is not None:
+            self.gate.record(requests)
         batch = _Batch.of(requests)
         cands = ranked_candidates(batch.survivals)
-        n = greedy_walk(cands, self.cost, batch.base_tokens, len(requests), early_stop=True)
+        n = greedy_walk(cands, curve_for(self.cost, len(requests)), batch.base_tokens, len(requests),
+                        early_stop=True)
         return batch.lengths(cands[:n])
 
     def commit(self, outcomes: list[ScheduleOutcome]) -> None:
@@ -150,7 +165,8 @@ class RetrospectivePrefixScheduler(PrefixScheduler):
             return []
         batch = _Batch.of(requests)
         cands = ranked_candidates(batch.survivals)
-        n = greedy_walk(cands, self.cost, batch.base_tokens, len(requests), early_stop=False)
+        n = greedy_walk(cands, curve_for(self.cost, len(requests)), batch.base_tokens, len(requests),
+                        early_stop=False)
         return batch.lengths(cands[:n])
 
 
@@ -184,10 +200,11 @@ class AsyncPrefixScheduler:
 
     name = "dspark-async"
 
-    def __init__(self, cost: CostTable, lag: int = 2) -> None:
+    def __init__(self, cost: CostTable | SplitCost, lag: int = 2) -> None:
         if lag < 1:
             raise ValueError(f"lag must be >= 1, got {lag}")
         self.cost = cost
+        self.gate = DraftGate(cost) if isinstance(cost, SplitCost) else None
         self.lag = lag
         self._history: deque[list[ScheduleRequest]] = deque(maxlen=lag)
         self._causal = PrefixScheduler(cost)
@@ -198,7 +215,13 @@ class AsyncPrefixScheduler:
         self._history.clear()
         self.last_capacity = None
 
+    def wants_draft(self, request_ids: Sequence[Hashable]) -> bool:
+        """Before drafting: should this step draft at all? (see PrefixScheduler.wants_draft)"""
+        return True if self.gate is None else self.gate.wants_draft(request_ids)
+
     def decide(self, requests: list[ScheduleRequest]) -> list[int]:
+        if self.gate is not None and requests:
+            self.gate.record(requests)
         past = self._history[0] if len(self._history) == self.lag else None
         self._history.append(list(requests))
         if not requests:
@@ -231,7 +254,8 @@ class AsyncPrefixScheduler:
             else:
                 historical.append(by_id.get(q.request_id, proxy)[: q.num_drafted])
         cands = ranked_candidates(historical)
-        return greedy_walk(cands, self.cost, len(requests) + pinned_tokens, len(requests), early_stop=False)
+        return greedy_walk(cands, curve_for(self.cost, len(requests)), len(requests) + pinned_tokens,
+                           len(requests), early_stop=False)
 
     def commit(self, outcomes: list[ScheduleOutcome]) -> None:
         """History is recorded in decide (it must not wait for verification)."""

@@ -11,7 +11,8 @@ from dspark.engine.async_engine import AsyncEngine
 from dspark.engine.engine import Engine, EngineConfig
 from dspark.engine.profile import ProfileSettings, profile_engine
 from dspark.errors import UserError
-from dspark.schedule import CostTable, make_policy
+from dspark.schedule import make_policy
+from dspark.schedule.cost import SplitCost
 from dspark.server.app import DEFAULT_MAX_BODY_BYTES, create_app
 
 POLICIES_NEEDING_COST = ("dspark", "dspark-async")
@@ -25,7 +26,7 @@ class ServingStack:
     async_engine: AsyncEngine
     tokenizer: object
     model_name: str
-    cost: CostTable | None  # the SPS table the policy uses (None: the policy needs none)
+    cost: SplitCost | None  # the step-time profile the policy uses (None: the policy needs none)
 
 
 def build_stack(
@@ -60,7 +61,7 @@ def build_stack(
         cost = profile_engine(
             loaded.model, draft, model_id=f"{loaded.name}@{loaded.path}", drafter_id=f"{drafter}:{draft.name}",
             settings=settings, tokenizer=loaded.tokenizer, home=home, refresh=refresh_profile,
-        ).table
+        ).cost
     options = {"fixed": {"k": draft.block_size}, "threshold": {"threshold": threshold}}.get(policy, {})
     verify_policy = make_policy(policy, cost, **options)
     engine = Engine(loaded.model, draft, verify_policy, engine_config, tokenizer=loaded.tokenizer)

@@ -198,6 +198,8 @@ def run_calibrate(
     from dspark.draft.checkpoint import load_drafter_folder, save_drafter
     from dspark.models.loading import load_target
 
+    if not 1 <= anchors_per_seq <= 1024:
+        raise UserError(f"anchors_per_seq = {anchors_per_seq} is out of range [1, 1024]")
     if labels not in ("realised", "soft"):
         raise UserError(f"labels must be 'realised' or 'soft', got {labels!r}")
     target = load_target(target_path)

@@ -1,0 +1,90 @@
+"""Draft or not: the step-level decision the prefix schedulers make before drafting.
+
+Algorithm 1 chooses verify lengths after the drafts exist, so it treats the
+drafting cost as paid. Where drafting is cheap (a GPU: a few percent of a
+step) that is harmless. On a CPU one batched `propose` costs 20-40 % of a
+round, and a step whose every verify length comes out 0 is a plain decode
+step plus that cost: a speculative engine that always drafts loses to no
+speculation whenever the drafts are poor or the batch is large.
+
+`DraftGate` decides before drafting, from each request's survival curve of
+its last drafted round (the same kind of stale information the asynchronous
+scheduler of section 5.2 plans with), with the split step cost
+F(B) + D(R) (`SplitCost`):
+
+    draft   iff   max over the admission path of tau * 1 / (F(B) + D(R))
+                  >  R / F(R)                      (one plain decode step)
+
+Lossless: the decision reads only past confidences and request ids, never
+the current draft tokens, so "no draft" is a plain decode step chosen
+independently of what would have been drafted.
+
+Exploration: curves only refresh when a step drafts. A request with no curve
+yet (it just started decoding) makes the step draft; after `probe_every`
+consecutive skipped steps one step drafts anyway, so a request whose text
+turned predictable (code, a quotation) is noticed. Probing costs at most
+D(R) / probe_every per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from dspark.schedule.base import ScheduleRequest, survival
+from dspark.schedule.cost import SplitCost
+
+
+class DraftGate:
+    """Per step: draft (True) or decode plainly (False); see the module docstring."""
+
+    def __init__(self, cost: SplitCost, probe_every: int = 16) -> None:
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
+        self.cost, self.probe_every = cost, probe_every
+        self.curves: dict[Hashable, list[float]] = {}  # request id -> survival curve of its last drafted round
+        self.skipped = 0  # consecutive steps without drafting
+        self.steps = 0
+        self.skipped_total = 0
+
+    def wants_draft(self, request_ids: Sequence[Hashable]) -> bool:
+        self.steps += 1
+        draft = self._decide(list(request_ids))
+        self.skipped = 0 if draft else self.skipped + 1
+        self.skipped_total += 0 if draft else 1
+        return draft
+
+    def _decide(self, ids: list[Hashable]) -> bool:
+        if not ids:
+            return True
+        curves = [self.curves.get(i) for i in ids]
+        if any(c is None for c in curves) or self.skipped >= self.probe_every:
+            return True
+        return self.drafted_rate(curves) > self.plain_rate(len(ids))
+
+    def plain_rate(self, requests: int) -> float:
+        """Tokens per second of one plain decode step of `requests` requests."""
+        return requests / self.cost.seconds(requests, requests, drafted=False)
+
+    def drafted_rate(self, curves: Sequence[Sequence[float]]) -> float:
+        """The best expected tokens per second of a drafted step whose requests have these
+        survival curves (global search of the admission path, as the async scheduler's)."""
+        from dspark.schedule.prefix import ranked_candidates
+
+        r = len(curves)
+        curve = self.cost.given_requests(r)
+        budget, tau = r, float(r)
+        best = tau * curve.sps(budget)
+        for _, _, a in ranked_candidates(curves):
+            budget += 1
+            tau += a
+            best = max(best, tau * curve.sps(budget))
+        return best
+
+    def record(self, requests: Sequence[ScheduleRequest]) -> None:
+        """Remember the survival curve of every request that drafted with confidences;
+        forget requests that are gone."""
+        live = {q.request_id for q in requests}
+        self.curves = {i: c for i, c in self.curves.items() if i in live}
+        for q in requests:
+            if q.confidences is not None and q.num_drafted > 0:
+                self.curves[q.request_id] = survival(q)

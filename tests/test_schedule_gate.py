@@ -1,0 +1,167 @@
+"""The draft gate (`dspark.schedule.gate`): the prefix schedulers skip drafting
+when even the best drafted step is slower than a plain decode step, judged
+from past confidences only; the engine then runs a plain decode step.
+
+Decision tests use hand-made `SplitCost`s, so every expected answer is
+computed by hand below. The engine tests check that skipped steps leave the
+output exact: greedy token parity with every learned drafter, and the
+chi-square distribution test of tests/test_engine_lossless.py through a
+policy that skips drafting on seeded coin flips.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dspark.engine.engine import Engine, EngineConfig
+from dspark.engine.generate import generate
+from dspark.engine.policy import build_policy
+from dspark.models.tiny import tiny_target
+from dspark.schedule import AsyncPrefixScheduler, CostTable, PrefixScheduler, ScheduleRequest
+from dspark.schedule.cost import SplitCost
+from dspark.schedule.gate import DraftGate
+from dspark.types import SamplingParams
+
+
+def _split(forward_ms: float, per_token_ms: float, draft_ms: float) -> SplitCost:
+    """F(B) = forward_ms + per_token_ms * (B - 1); D(R) = draft_ms * R."""
+    forward = CostTable({b: (forward_ms + per_token_ms * (b - 1)) / 1e3 for b in (1, 2, 4, 8, 16, 64)})
+    draft = CostTable({r: draft_ms * r / 1e3 for r in (1, 2, 4, 8, 16)})
+    return SplitCost(forward, draft)
+
+
+def _req(rid, conf):
+    return ScheduleRequest(request_id=rid, num_drafted=len(conf), confidences=conf)
+
+
+def test_split_cost_adds_drafting_per_request():
+    cost = _split(50, 5, 20)
+    assert cost.seconds(8, 2) == pytest.approx((50 + 35 + 40) / 1e3)
+    assert cost.seconds(8, 2, drafted=False) == pytest.approx(85 / 1e3)
+    assert cost.given_requests(2).sps(8) == pytest.approx(1e3 / 125)
+
+
+def test_gate_drafts_only_when_the_best_drafted_step_beats_plain_decoding():
+    # one request, F(1) = 50 ms, +5 ms per token, drafting 20 ms
+    gate = DraftGate(_split(50, 5, 20))
+    assert gate.wants_draft(["a"])  # no curve yet: draft to learn one
+    gate.record([_req("a", [0.9, 0.9, 0.9])])
+    # best: verify 3 -> (1 + 0.9 + 0.81 + 0.729) / (65 + 20) ms = 40.3 tok/s > 1 / 50 ms = 20
+    assert gate.wants_draft(["a"])
+    gate.record([_req("a", [0.2, 0.1, 0.1])])
+    # best: verify 1 -> 1.2 / 75 ms = 16 tok/s; nothing drafted: 1 / 70 ms; plain: 20 tok/s -> skip
+    assert not gate.wants_draft(["a"])
+    assert gate.drafted_rate([[0.2, 0.02, 0.002]]) == pytest.approx(1.2 / 0.075)
+    assert gate.plain_rate(1) == pytest.approx(20.0)
+
+
+def test_gate_probes_after_skipping_and_forgets_finished_requests():
+    gate = DraftGate(_split(50, 5, 40), probe_every=3)
+    gate.record([_req("a", [0.1])])
+    decisions = [gate.wants_draft(["a"]) for _ in range(8)]
+    assert decisions == [False, False, False, True, False, False, False, True]
+    gate.record([_req("b", [0.99])])  # "a" is gone
+    assert set(gate.curves) == {"b"}
+    assert gate.wants_draft(["b", "c"])  # "c" has no curve yet
+
+
+def test_a_bigger_batch_makes_drafting_relatively_dearer():
+    """D(R) grows with R while the forward of R plain tokens barely does: the same
+    per-request curve is worth drafting for one request and not for sixteen."""
+    gate = DraftGate(_split(50, 1, 8))
+    curve = [0.6, 0.4, 0.2]
+    one = [curve]
+    many = [curve] * 16
+    assert gate.drafted_rate(one) > gate.plain_rate(1)
+    assert gate.drafted_rate(many) < gate.plain_rate(16)
+
+
+def test_schedulers_walk_forward_plus_drafting_and_expose_the_gate():
+    cost = _split(50, 5, 20)
+    causal = PrefixScheduler(cost)
+    # verify j while (1 + sum a) / (F(1 + j) + 20 ms) improves: a = 0.9, 0.81, 0.729, 0.0729
+    reqs = [_req("a", [0.9, 0.9, 0.9, 0.1])]
+    rates = [(1 + sum([0.9, 0.81, 0.729, 0.0729][:j])) / (50 + 5 * j + 20) for j in range(5)]
+    assert causal.decide(reqs) == [max(range(5), key=lambda j: rates[j])] == [3]
+    assert causal.wants_draft(["a"])
+    for policy in (PrefixScheduler(CostTable({1: 0.01, 8: 0.02})), AsyncPrefixScheduler(CostTable({1: 0.01}))):
+        assert policy.gate is None and policy.wants_draft(["x"])  # one curve: always draft
+    assert AsyncPrefixScheduler(cost).gate is not None
+    assert not build_policy("none", block_size=4).wants_draft(["x"])
+
+
+# ---------------------------------------------------------------- engine
+class SkippingPolicy:
+    """Wraps a policy; skips drafting on seeded coin flips (independent of any draft)."""
+
+    def __init__(self, inner, seed: int = 0, p_skip: float = 0.5) -> None:
+        self.inner, self.rng, self.p_skip = inner, random.Random(seed), p_skip
+        self.name, self.skips, self.calls = inner.name, 0, 0
+
+    def wants_draft(self, request_ids) -> bool:
+        self.calls += 1
+        skip = self.rng.random() < self.p_skip
+        self.skips += skip
+        return not skip
+
+    def decide(self, requests):
+        return self.inner.decide(requests)
+
+    def commit(self, outcomes):
+        self.inner.commit(outcomes)
+
+
+V = 96
+
+
+@pytest.mark.parametrize("kind,cfg", [("dspark", {"block_size": 4, "num_hidden_layers": 1, "markov_rank": 8}),
+                                      ("dflash", {"block_size": 4, "num_hidden_layers": 1}),
+                                      ("eagle3", {"block_size": 3}), ("mtp", {})])
+def test_skipped_drafts_leave_greedy_output_and_drafter_state_exact(kind, cfg):
+    """Steps that skip drafting still feed the drafter its context: greedy output
+    is unchanged, and a drafter tuned to copy the target keeps agreeing with it."""
+    from dspark.draft.factory import build_drafter
+    from dspark.draft.ngram import NoDrafter
+
+    target = tiny_target(seed=0, vocab_size=V)
+    params = SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True)
+    prompt = [5, 17, 33, 5, 17, 33, 5, 17]
+    plain = Engine(target, NoDrafter(), build_policy("none", block_size=1), EngineConfig())
+    want = generate(plain, prompt, params).token_ids
+    drafter = build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, **cfg)
+    policy = SkippingPolicy(build_policy("fixed", block_size=drafter.block_size), seed=1)
+    engine = Engine(target, drafter, policy, EngineConfig())
+    assert generate(engine, prompt, params).token_ids == want
+    assert 0 < policy.skips < policy.calls and engine.num_draft_skips == policy.skips
+
+
+def test_skipped_drafts_keep_the_engine_lossless():
+    """tests/test_engine_lossless.py's chi-square test (alpha 1e-6, 16,384
+    continuations, 512 cells) through a scheduler that skips drafting on half
+    of the steps at random: mixing plain decode steps with drafted ones must
+    leave the joint distribution of the first three tokens exact."""
+    import test_engine_lossless as tel
+    from drafters_for_tests import BigramDrafter
+    from lossless_harness import ALPHA, chi_square
+
+    target = tel._flat_target()
+    drafter = BigramDrafter(tel.VOCAB, block_size=3, seed=4, sharpness=1.5)
+    params = SamplingParams(temperature=1.0, max_new_tokens=tel.NUM_TOKENS + 1, ignore_eos=True)
+    cost = CostTable({1: 0.010, 512: 0.020, 1024: 0.024, 1536: 0.040, 4096: 0.300})
+    policy = SkippingPolicy(build_policy("dspark", block_size=3, cost=cost), seed=2)
+    engine = Engine(target, drafter, policy, EngineConfig(max_running=tel.BATCH, max_seq_len=32,
+                                                          kv_budget_tokens=tel.BATCH * 32,
+                                                          max_prefill_tokens=tel.BATCH * 8))
+    out = []
+    for start in range(0, tel.SAMPLES, tel.BATCH):
+        ids = [engine.add_request(tel.PROMPT, SamplingParams(**{**params.__dict__, "seed": start + i}))
+               for i in range(tel.BATCH)]
+        while engine.has_work():
+            engine.step()
+        out.extend(engine.pop_finished(i).output_ids[: tel.NUM_TOKENS] for i in ids)
+    assert 0 < policy.skips < policy.calls
+    result = chi_square(torch.tensor(out), tel._exact_joint(target, params), tel.VOCAB)
+    assert result.p_value > ALPHA, result
