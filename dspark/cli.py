@@ -36,7 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--drafter", default="default", help="none | ngram | default | PATH to a drafter folder")
     g.add_argument("--block-size", type=int, default=None, help="draft tokens per round (model-free drafters)")
-    g.add_argument("--policy", default="fixed", help="verify-length policy: none, fixed, threshold, dspark, dspark-async")
+    g.add_argument("--policy", default="auto",
+                   help="verify-length policy: auto (dspark for a drafter with a confidence head, else fixed), "
+                        "none, fixed, threshold, dspark, dspark-async")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     _add_target_args(g)
     _add_sampling_args(g)
@@ -167,7 +169,20 @@ def cmd_generate(args) -> int:
         raise UserError(f"the target folder {loaded.path} has no tokenizer files; add them (tokenizer.json) to generate text")
     drafter = load_drafter(args.drafter, loaded.model, block_size=args.block_size, embedded=args.target is None)
     prompt_ids = encode_prompt(loaded.tokenizer, args.prompt, chat=args.chat)
-    policy = build_policy(args.policy, block_size=drafter.block_size)
+    name = args.policy
+    if name == "auto":
+        name = "dspark" if drafter.has_confidence else "fixed"
+    cost = None
+    if name in ("dspark", "dspark-async", "retrospective"):
+        from dspark.engine.profile import ProfileSettings, profile_engine
+
+        # batch 1: F(B) for B = 1..G+1 and D(1), measured once per machine and cached
+        cost = profile_engine(
+            loaded.model, drafter, model_id=f"{loaded.name}@{loaded.path}", drafter_id=f"{args.drafter}:{drafter.name}",
+            settings=ProfileSettings(max_requests=1), tokenizer=loaded.tokenizer, home=args.home,
+            progress=not args.json,
+        ).cost
+    policy = build_policy(name, block_size=drafter.block_size, cost=cost)
     engine = Engine(loaded.model, drafter, policy, EngineConfig(max_running=1), tokenizer=loaded.tokenizer)
     result = generate(engine, prompt_ids, params)
     if args.json:
@@ -177,7 +192,8 @@ def cmd_generate(args) -> int:
         s = result.stats
         print(
             f"[{result.num_generated} tokens in {result.seconds:.2f} s, {result.tokens_per_second:.1f} tok/s, "
-            f"tau {s.mean_accepted_length:.2f} over {s.rounds} rounds, drafter {drafter.name}]",
+            f"tau {s.mean_accepted_length:.2f} over {s.rounds} rounds, drafter {drafter.name}, policy {name}"
+            f"{f', {engine.num_draft_skips} steps without drafting' if engine.num_draft_skips else ''}]",
             file=sys.stderr,
         )
     return 0

@@ -86,3 +86,17 @@ def test_ngram_and_none_print_identical_greedy_tokens(capsys):
     assert outs[0]["token_ids"] == outs[1]["token_ids"] and outs[0]["num_generated"] == 48
     assert set(outs[0]["stats"]) == {"rounds", "draft_tokens", "accepted_tokens", "mean_accepted_length", "per_position_acceptance"}
     assert outs[0]["stats"]["accepted_tokens"] > 0  # the list repeats itself: prompt lookup must hit
+
+
+@pytest.mark.slow
+def test_default_drafter_with_auto_policy_prints_the_greedy_tokens_of_none(capsys):
+    """`--drafter default` (the shipped DSpark drafter; the n-gram drafter if none
+    is shipped) under `--policy auto` (the DSpark scheduler with its draft gate,
+    after a batch-1 profile) gives exactly plain greedy decoding's tokens."""
+    outs = []
+    for drafter in ("default", "none"):
+        argv = ["generate", "--chat", "--prompt", "Explain in two sentences why the sky is blue.",
+                "--drafter", drafter, "--temperature", "0", "--max-new-tokens", "40", "--json"]
+        assert main(argv) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0]["token_ids"] == outs[1]["token_ids"] and outs[0]["num_generated"] == 40

@@ -79,3 +79,16 @@ def test_reliability_plot_written(tmp_path):
     temps = sts_fit(logits, accepted)
     path = plot_reliability(logits, accepted, temps, tmp_path / "rel.png")
     assert path.stat().st_size > 5000
+
+
+def test_positions_without_enough_survivors_keep_temperature_one():
+    """No held-out block reaches position 3 accepted: its ECE would be smallest
+    at T -> 0 (every confidence pushed to 0 or 1); STS leaves T = 1 there."""
+    logits, accepted = _overconfident(4000, [2.0, 2.0, 2.0], seed=5)
+    accepted[:, 2] = 0.0
+    temps = sts_fit(logits, accepted)
+    assert temps[2] == 1.0 and temps[0] != 1.0
+    few = accepted.clone()
+    few[:, 1] = 0.0
+    few[:4, :2] = 1.0  # four survivors of position 2: below the minimum of 5
+    assert sts_fit(logits, few)[1] == 1.0

@@ -93,13 +93,21 @@ def prefix_probs(conf_logits: torch.Tensor, temps: torch.Tensor | None = None) -
     return torch.cumprod(torch.sigmoid(logits), dim=1)
 
 
+MIN_POSITIVES = 5.0  # surviving held-out blocks a position needs before its temperature is fitted
+
+
 def sts_fit(
     conf_logits: torch.Tensor,  # [n, G]
     accepted: torch.Tensor,  # [n, G]
     bins: int = DEFAULT_BINS,
     grid: torch.Tensor = DEFAULT_GRID,
+    min_positives: float = MIN_POSITIVES,
 ) -> torch.Tensor:
-    """Per-position temperatures [G] (float64) by Sequential Temperature Scaling."""
+    """Per-position temperatures [G] (float64) by Sequential Temperature Scaling.
+
+    A position that fewer than `min_positives` held-out blocks survive to keeps
+    T = 1: with (almost) no positive outcome the ECE is smallest for T -> 0,
+    which pushes every confidence to 0 or 1 - a fit to the absence of data."""
     logits = conf_logits.double()
     target = survival(accepted)
     n, g = logits.shape
@@ -107,6 +115,9 @@ def sts_fit(
     prefix = torch.ones(n, dtype=torch.float64)
     grid = grid.double()
     for k in range(g):
+        if float(target[:, k].sum()) < min_positives:
+            prefix = prefix * torch.sigmoid(logits[:, k])
+            continue
         coarse = _grid_argmin(prefix, logits[:, k], target[:, k], grid, bins)
         i = int(torch.searchsorted(grid, torch.tensor([coarse], dtype=torch.float64)).clamp(max=grid.numel() - 1))
         low, high = grid[max(i - 1, 0)], grid[min(i + 1, grid.numel() - 1)]
