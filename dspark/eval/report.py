@@ -158,7 +158,7 @@ def _fig4(entries: list[Entry], fig_dir: Path, report_cmd: str, report: Report) 
         have = ", ".join(f"{k} at G={sorted(s)}" for k, s in by_kind.items()) or "none"
         note = ("Left out: needs runs of one drafter at two or more proposal lengths (e.g. "
                 "`dspark eval --drafter ngram --block-size 4`, then 8, 12, 16; a learned drafter needs one trained "
-                f"folder per block size, and none is trained yet). Runs at temperature 1.0: {have}.")
+                f"folder per block size; the recipes in configs/ train block size 7 only, so the learned drafters have one point each). Runs at temperature 1.0: {have}.")
         report.left_out.append("fig4: " + note)
         return head + note
     data = {dom: {kind: [(g, domain_means(e.drafter.taus()).get(dom)) for g, e in sizes.items()
@@ -181,7 +181,7 @@ def _confident(entries: list[Entry]) -> list[Entry]:
 def _no_confidence_note(entries: list[Entry]) -> str:
     names = ", ".join(sorted({e.drafter.label for e in entries})) or "none"
     return (f"no evaluated drafter has a confidence head (evaluated: {names}). The DSpark drafter has one, "
-            "but no trained DSpark drafter exists yet; evaluate one with `dspark eval --drafter PATH`.")
+            "but none was evaluated; evaluate one with `dspark eval --drafter PATH`.")
 
 
 def _fig5(entries: list[Entry], fig_dir: Path, report_cmd: str, report: Report) -> str:
