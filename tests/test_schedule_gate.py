@@ -65,7 +65,19 @@ def test_gate_probes_after_skipping_and_forgets_finished_requests():
     assert decisions == [False, False, False, True, False, False, False, True]
     gate.record([_req("b", [0.99])])  # "a" is gone
     assert set(gate.curves) == {"b"}
-    assert gate.wants_draft(["b", "c"])  # "c" has no curve yet
+    # "c" has no curve yet: it stands in with the mean recent curve (0.545), and at D(2) = 80 ms
+    # the best drafted step, 3.535 tokens / 145 ms, loses to plain decoding's 2 / 55 ms
+    assert not gate.wants_draft(["b", "c"])
+
+
+def test_a_new_request_uses_the_mean_recent_curve_instead_of_forcing_a_draft():
+    gate = DraftGate(_split(50, 5, 40))
+    assert gate.wants_draft(["a"])  # nothing ever recorded: draft to learn
+    gate.record([_req("a", [0.1, 0.1])])
+    gate.record([_req("b", [0.3, 0.1])])  # "a" finished; both curves stay in the recent history
+    # "c" is new: proxy = mean of (0.1, 0.01) and (0.3, 0.03) = (0.2, 0.02): 1.2 / 95 ms < 20 tok/s
+    assert not gate.wants_draft(["c"])
+    assert gate.drafted_rate([[0.2, 0.02]]) < gate.plain_rate(1)
 
 
 def test_a_bigger_batch_makes_drafting_relatively_dearer():

@@ -1,6 +1,6 @@
 """The load run behind docs/LOAD.md and docs/figures/load_cpu_*:
 
-    .venv/bin/python -m dspark.bench.load_docs [DSPARK_DRAFTER_DIR [MTP_DRAFTER_DIR]]
+    .venv/bin/python -m dspark.bench.load_docs [DSPARK_DRAFTER_DIR [MTP_DRAFTER_DIR]] [--only ARMS] [--name STEM]
 
 In process, on the embedded SmolLM2-135M target (float32, CPU). Without
 drafter folders it measures no speculation against the model-free n-gram
@@ -29,16 +29,38 @@ NGRAM = Arm("ngram-k7", "ngram", "fixed", k=7, block_size=7)
 
 
 def docs_run(dspark_drafter: str | None = None, mtp_drafter: str | None = None,
-             out_dir: str | Path = "docs/figures", name: str = "load_cpu") -> LoadReport:
+             out_dir: str | Path = "docs/figures", name: str = "load_cpu",
+             only: list[str] | None = None) -> LoadReport:
+    """The docs' load run; `only` keeps the named arms (a rerun of some arms after a change)."""
     import torch
+
+    from dspark.errors import UserError
 
     torch.set_num_threads(TORCH_THREADS)
     paper = paper_arms(dspark_drafter, mtp_drafter)
     # the n-gram stand-in runs only while no learned drafter is given (it keeps the run short otherwise)
     arms = paper if dspark_drafter or mtp_drafter else [paper[0], NGRAM] + paper[1:]
+    if only:
+        unknown = sorted(set(only) - {a.name for a in arms})
+        if unknown:
+            raise UserError(f"unknown arm(s) {', '.join(unknown)}; the arms are {', '.join(a.name for a in arms)}")
+        arms = [a for a in arms if a.name in only]
     command = " ".join([".venv/bin/python -m dspark.bench.load_docs", *map(shlex.quote, sys.argv[1:])])
     return run_load_bench(arms, DOCS_SETTINGS, out_dir=out_dir, name=name, command=command)
 
 
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m dspark.bench.load_docs", description=__doc__.splitlines()[0])
+    parser.add_argument("dspark", nargs="?", default=None, help="trained DSpark drafter folder")
+    parser.add_argument("mtp", nargs="?", default=None, help="trained MTP-1 drafter folder")
+    parser.add_argument("--only", default=None, help="comma-separated arm names to run (default: all)")
+    parser.add_argument("--name", default="load_cpu", help="file stem of the JSON and figures in docs/figures")
+    args = parser.parse_args(argv)
+    only = [a for a in (args.only or "").split(",") if a] or None
+    docs_run(args.dspark, args.mtp, name=args.name, only=only)
+
+
 if __name__ == "__main__":
-    docs_run(*sys.argv[1:3])
+    main()
