@@ -17,7 +17,7 @@ $(BIN)/dspark: pyproject.toml
 setup: $(BIN)/dspark
 
 demo: setup
-	$(BIN)/dspark generate --chat --prompt "Write a short Python function that reverses a string, then explain it." --max-new-tokens 96 --temperature 0 --drafter ngram
+	$(BIN)/dspark generate --chat --prompt "Write a short Python function that reverses a string, then explain it." --max-new-tokens 96 --temperature 0 --drafter default
 
 test: setup
 	$(BIN)/python -m pytest -q -x --timeout=900 tests
