@@ -1,5 +1,5 @@
 """The soak behind docs/LOAD.md: a real server for the embedded SmolLM2-135M
-target (n-gram drafter, fixed k = 7; no trained drafter exists yet) on
+target (by default the n-gram drafter at fixed k = 7; docs/LOAD.md runs it with `default dspark`: the shipped DSpark drafter under the DSpark scheduler) on
 127.0.0.1, soaked by `run_soak`:
 
     .venv/bin/python -m dspark.bench.soak_docs [DRAFTER [POLICY]]
