@@ -36,3 +36,9 @@ def test_report_lists_finished_and_unfinished_runs(tmp_path, capsys):
 def test_a_folder_that_is_not_a_run_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a training run"):
         load_run(tmp_path)
+
+
+def test_bad_command_lines_say_how_to_call(capsys):
+    assert main([]) == 2 and "no run folder" in capsys.readouterr().err
+    assert main(["runs/x", "--bogus"]) == 2 and "unknown option --bogus" in capsys.readouterr().err
+    assert main(["runs/x", "--out"]) == 2 and "--out needs a value" in capsys.readouterr().err

@@ -49,18 +49,18 @@ def docs_run(dspark_drafter: str | None = None, mtp_drafter: str | None = None,
     return run_load_bench(arms, DOCS_SETTINGS, out_dir=out_dir, name=name, command=command)
 
 
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m dspark.bench.load_docs", description=__doc__.splitlines()[0])
-    parser.add_argument("dspark", nargs="?", default=None, help="trained DSpark drafter folder")
-    parser.add_argument("mtp", nargs="?", default=None, help="trained MTP-1 drafter folder")
-    parser.add_argument("--only", default=None, help="comma-separated arm names to run (default: all)")
-    parser.add_argument("--name", default="load_cpu", help="file stem of the JSON and figures in docs/figures")
-    args = parser.parse_args(argv)
-    only = [a for a in (args.only or "").split(",") if a] or None
-    docs_run(args.dspark, args.mtp, name=args.name, only=only)
+def main(argv: list[str]) -> None:
+    """DSPARK_DIR [MTP_DIR] [--only ARM,ARM] [--name STEM] (no argparse outside cli.py)."""
+    positional, options = [], {"--only": "", "--name": "load_cpu"}
+    args = iter(argv)
+    for arg in args:
+        if arg in options:
+            options[arg] = next(args, "")
+        else:
+            positional.append(arg)
+    only = [a for a in options["--only"].split(",") if a] or None
+    docs_run(*positional[:2], name=options["--name"] or "load_cpu", only=only)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -14,12 +14,16 @@ rough).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
-from dspark.eval.tables import render
+
+
+def _markdown(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -107,21 +111,43 @@ def write_report(folders: list[str], out_md: str | Path, fig_dir: str | Path, co
         "tau (exp.) is the expected acceptance length 1 + sum over positions of the cumulative product of "
         "c* = 1 - TV(p_draft, p_target) (the trainer's measure; `dspark eval` measures the realised one). "
         "Training-batch columns are the last logged window; held-out columns are the final evaluation.\n\n"
-        + render(head, rows, markdown=True)
+        + _markdown(head, rows)
         + f"\n\n![learning curves]({rel})\n"
     )
     out.write_text(text)
     return out
 
 
+USAGE = "usage: python -m dspark.train.report RUN_DIR [RUN_DIR ...] [--out FILE.md] [--figures DIR]"
+
+
+def parse_args(argv: list[str]) -> tuple[list[str], str, str]:
+    """(run folders, markdown path, figure folder) from the command line."""
+    runs, options = [], {"--out": "docs/TRAINING_RUNS.md", "--figures": "docs/figures"}
+    args = iter(argv)
+    for arg in args:
+        if arg in options:
+            value = next(args, None)
+            if value is None:
+                raise ValueError(f"{arg} needs a value; {USAGE}")
+            options[arg] = value
+        elif arg.startswith("-"):
+            raise ValueError(f"unknown option {arg}; {USAGE}")
+        else:
+            runs.append(arg)
+    if not runs:
+        raise ValueError(f"no run folder given; {USAGE}")
+    return runs, options["--out"], options["--figures"]
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dspark.train.report", description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", help="run folders (out_dir of each recipe)")
-    parser.add_argument("--out", default="docs/TRAINING_RUNS.md")
-    parser.add_argument("--figures", default="docs/figures")
-    args = parser.parse_args(argv)
-    command = " ".join(["python -m dspark.train.report", *args.runs, "--out", args.out, "--figures", args.figures])
-    print(write_report(args.runs, args.out, args.figures, command))
+    try:
+        runs, out, figures = parse_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2
+    command = " ".join(["python -m dspark.train.report", *runs, "--out", out, "--figures", figures])
+    print(write_report(runs, out, figures, command))
     return 0
 
 
