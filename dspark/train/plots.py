@@ -35,6 +35,13 @@ def plot_training_log(log_jsonl: str | Path, out_png: str | Path) -> Path:
     ax_acc.set_xlabel("step")
     ax_acc.set_title("acceptance (training batches)")
     ax_acc.legend()
+    return save_figure(fig, out_png)
+
+
+def save_figure(fig, out_png: str | Path) -> Path:
+    """Lay out, write (creating the folder) and close a pyplot figure; return its path."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)

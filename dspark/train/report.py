@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+from dspark.train.plots import save_figure
 
 
 def _markdown(headers: list[str], rows: list[list[str]]) -> str:
@@ -91,12 +92,7 @@ def plot_runs(runs: list[dict], out_png: str | Path) -> Path:
     for ax in (ax_tau, ax_acc):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    out = Path(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out_png)
 
 
 def write_report(folders: list[str], out_md: str | Path, fig_dir: str | Path, command: str) -> Path:
