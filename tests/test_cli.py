@@ -75,14 +75,20 @@ def test_unknown_drafter_and_long_prompt_on_embedded_model(capsys, embedded_conv
     assert "context" in msg
 
 
-@pytest.mark.slow
-def test_ngram_and_none_print_identical_greedy_tokens(capsys):
+def _greedy_json(capsys, drafters: tuple[str, ...], prompt: str, max_new_tokens: int) -> list[dict]:
+    """`dspark generate --chat --temperature 0 --json` once per drafter: the printed objects."""
     outs = []
-    for drafter in ("ngram", "none"):
-        argv = ["generate", "--chat", "--prompt", "List the numbers from 1 to 20, separated by commas.",
-                "--drafter", drafter, "--temperature", "0", "--max-new-tokens", "48", "--json"]
+    for drafter in drafters:
+        argv = ["generate", "--chat", "--prompt", prompt, "--drafter", drafter, "--temperature", "0",
+                "--max-new-tokens", str(max_new_tokens), "--json"]
         assert main(argv) == 0
         outs.append(json.loads(capsys.readouterr().out))
+    return outs
+
+
+@pytest.mark.slow
+def test_ngram_and_none_print_identical_greedy_tokens(capsys):
+    outs = _greedy_json(capsys, ("ngram", "none"), "List the numbers from 1 to 20, separated by commas.", 48)
     assert outs[0]["token_ids"] == outs[1]["token_ids"] and outs[0]["num_generated"] == 48
     assert set(outs[0]["stats"]) == {"rounds", "draft_tokens", "accepted_tokens", "mean_accepted_length", "per_position_acceptance"}
     assert outs[0]["stats"]["accepted_tokens"] > 0  # the list repeats itself: prompt lookup must hit
@@ -93,10 +99,5 @@ def test_default_drafter_with_auto_policy_prints_the_greedy_tokens_of_none(capsy
     """`--drafter default` (the shipped DSpark drafter; the n-gram drafter if none
     is shipped) under `--policy auto` (the DSpark scheduler with its draft gate,
     after a batch-1 profile) gives exactly plain greedy decoding's tokens."""
-    outs = []
-    for drafter in ("default", "none"):
-        argv = ["generate", "--chat", "--prompt", "Explain in two sentences why the sky is blue.",
-                "--drafter", drafter, "--temperature", "0", "--max-new-tokens", "40", "--json"]
-        assert main(argv) == 0
-        outs.append(json.loads(capsys.readouterr().out))
+    outs = _greedy_json(capsys, ("default", "none"), "Explain in two sentences why the sky is blue.", 40)
     assert outs[0]["token_ids"] == outs[1]["token_ids"] and outs[0]["num_generated"] == 40

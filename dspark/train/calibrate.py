@@ -201,9 +201,6 @@ def plot_reliability(
         ax.set_xlabel("predicted acceptance")
         ax.legend(fontsize=7, loc="upper left")
     axes[0][0].set_ylabel("observed acceptance")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    from dspark.train.plots import save_figure
+
+    return save_figure(fig, path, dpi=120)

@@ -38,14 +38,14 @@ def plot_training_log(log_jsonl: str | Path, out_png: str | Path) -> Path:
     return save_figure(fig, out_png)
 
 
-def save_figure(fig, out_png: str | Path) -> Path:
+def save_figure(fig, out_png: str | Path, dpi: int = 110) -> Path:
     """Lay out, write (creating the folder) and close a pyplot figure; return its path."""
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=dpi)
     plt.close(fig)
     return out
 
