@@ -51,14 +51,10 @@ class DraftGate:
         self.curves: dict[Hashable, list[float]] = {}  # request id -> survival curve of its last drafted round
         self.recent: deque[list[float]] = deque(maxlen=history)  # last recorded curves of any request
         self.skipped = 0  # consecutive steps without drafting
-        self.steps = 0
-        self.skipped_total = 0
 
     def wants_draft(self, request_ids: Sequence[Hashable]) -> bool:
-        self.steps += 1
         draft = self._decide(list(request_ids))
         self.skipped = 0 if draft else self.skipped + 1
-        self.skipped_total += 0 if draft else 1
         return draft
 
     def _decide(self, ids: list[Hashable]) -> bool:
@@ -83,17 +79,13 @@ class DraftGate:
     def drafted_rate(self, curves: Sequence[Sequence[float]]) -> float:
         """The best expected tokens per second of a drafted step whose requests have these
         survival curves (global search of the admission path, as the async scheduler's)."""
-        from dspark.schedule.prefix import ranked_candidates
+        from dspark.schedule.prefix import greedy_walk, ranked_candidates
 
         r = len(curves)
         curve = self.cost.given_requests(r)
-        budget, tau = r, float(r)
-        best = tau * curve.sps(budget)
-        for _, _, a in ranked_candidates(curves):
-            budget += 1
-            tau += a
-            best = max(best, tau * curve.sps(budget))
-        return best
+        cands = ranked_candidates(curves)
+        n = greedy_walk(cands, curve, r, r, early_stop=False)
+        return (r + sum(a for _, _, a in cands[:n])) * curve.sps(r + n)
 
     def record(self, requests: Sequence[ScheduleRequest]) -> None:
         """Remember the survival curve of every request that drafted with confidences;
