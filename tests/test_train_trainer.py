@@ -151,3 +151,20 @@ def test_resume_after_interruption_is_exact(tmp_path):
     assert strip(tmp_path / "a" / "log.jsonl") == strip(tmp_path / "b" / "log.jsonl")
     files = {p.suffix for p in (tmp_path / "b" / "checkpoints").rglob("*") if p.is_file()}
     assert files <= {".safetensors", ".json", ""}  # no pickle files
+
+
+def test_raising_total_steps_extends_a_finished_run(tmp_path, capsys):
+    """Only optim.total_steps may change on resume: the run continues from its last step."""
+    from dspark.errors import UserError
+
+    data = write_toy_data(tmp_path / "data")
+    _trainer(_cfg(tmp_path / "r", data, total_steps=4)).fit()
+    extended = _trainer(_cfg(tmp_path / "r", data, total_steps=6), seed=123)
+    summary = extended.fit()
+    assert summary["step"] == 6 and "extending the run from 4 to 6 steps" in capsys.readouterr().out
+    steps = [json.loads(x)["step"] for x in (tmp_path / "r" / "log.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == 6
+    with pytest.raises(UserError, match="past optim.total_steps"):
+        _trainer(_cfg(tmp_path / "r", data, total_steps=5)).fit()
+    with pytest.raises(UserError, match=r"other settings \(optim\)"):
+        _trainer(_cfg(tmp_path / "r", data, total_steps=8, lr=1e-2)).fit()

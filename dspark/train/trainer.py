@@ -231,11 +231,21 @@ class Trainer:
             return False
         self.io.load_weights(self.drafter, folder / "drafter")
         facts = ckpt.load_trainer_state(folder, self.optimizer)
-        now = self.cfg.to_dict()
-        changed = [k for k in ("data", "target", "drafter", "optim", "loss") if facts["config"].get(k) != now[k]]
-        if changed or facts["config"]["run"]["seed"] != now["run"]["seed"]:
+        now, saved = self.cfg.to_dict(), facts["config"]
+        # raising optim.total_steps extends a run (the LR then follows the longer schedule); any
+        # other change would make the resumed run differ from the one its checkpoints came from
+        saved_optim = {**saved.get("optim", {}), "total_steps": now["optim"]["total_steps"]}
+        changed = [k for k in ("data", "target", "drafter", "loss") if saved.get(k) != now[k]]
+        changed += ["optim"] if saved_optim != now["optim"] else []
+        if changed or saved["run"]["seed"] != now["run"]["seed"]:
             raise UserError(f"{folder} was trained with other settings ({', '.join(changed) or 'run.seed'}); "
                             "restore them, or set a new [run] out_dir to start over")
+        if int(facts["step"]) > now["optim"]["total_steps"]:
+            raise UserError(f"{folder} is at step {facts['step']}, past optim.total_steps = "
+                            f"{now['optim']['total_steps']}; raise total_steps or set a new [run] out_dir")
+        if saved["optim"]["total_steps"] != now["optim"]["total_steps"] and self.dist.rank == 0:
+            print(f"dspark train: extending the run from {saved['optim']['total_steps']} to "
+                  f"{now['optim']['total_steps']} steps; the learning rate follows the new schedule")
         self.step = int(facts["step"])
         if not ckpt.load_rng(folder, self.dist.rank) or facts["world"] != self.dist.world:
             print(f"dspark train: resuming on {self.dist.world} ranks from a {facts['world']}-rank checkpoint; "
