@@ -90,6 +90,13 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--no-write", action="store_true", help="report only; do not store the temperatures")
     c.add_argument("--target", default=None)
 
+    dv = sub.add_parser("draft-vocab", help="rank the target's tokens for a drafter's draft vocabulary (faster drafting)")
+    dv.add_argument("drafter", help="dspark or dflash drafter folder")
+    dv.add_argument("--data", default="data/prepared", help="prepared data folder (its training part is counted)")
+    dv.add_argument("--size", type=int, default=8192, help="draft among this many most frequent tokens; 0 = all")
+    dv.add_argument("--holdout-fraction", type=float, default=0.02)
+    dv.add_argument("--no-write", action="store_true", help="report the coverage only")
+
     e = sub.add_parser("eval", help="acceptance length on the paper's benchmarks (or: dspark eval report)")
     e.add_argument("--drafter", default="ngram", help="PATH[,PATH...] or none/ngram/default; 'report' rebuilds docs")
     e.add_argument("--bench", default="all", help="all | math | code | chat | gsm8k,mbpp,...")
@@ -252,6 +259,15 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_draft_vocab(args) -> int:
+    from dspark.train.draft_vocab import build_draft_vocab, format_report
+
+    report = build_draft_vocab(args.drafter, args.data, size=args.size, holdout_fraction=args.holdout_fraction,
+                               write=not args.no_write)
+    print(format_report(report))
+    return 0
+
+
 def cmd_eval(args) -> int:
     if args.report is not None:
         if args.report != "report":
@@ -325,6 +341,7 @@ COMMANDS = {
     "prepare": cmd_prepare,
     "train": cmd_train,
     "calibrate": cmd_calibrate,
+    "draft-vocab": cmd_draft_vocab,
     "eval": cmd_eval,
     "bench": cmd_bench,
 }

@@ -136,18 +136,26 @@ def _engine(target, drafter, policy="fixed"):
 
 
 @pytest.mark.parametrize("kind,cfg", [("dspark", {"block_size": 4, "num_hidden_layers": 1, "markov_rank": 8}),
+                                      ("dspark", {"block_size": 4, "num_hidden_layers": 1, "markov_rank": 8,
+                                                  "draft_vocab": 20, "transition_top_k": 6}),
                                       ("dflash", {"block_size": 4, "num_hidden_layers": 1}),
+                                      ("dflash", {"block_size": 4, "num_hidden_layers": 1, "draft_vocab": 20}),
                                       ("eagle3", {"block_size": 3}), ("mtp", {})])
 def test_engine_greedy_output_unchanged_by_learned_drafters(kind, cfg):
     """Through the real engine (tapped target hidden states, verification,
-    rollback), a randomly initialised drafter leaves greedy output unchanged."""
+    rollback), a randomly initialised drafter leaves greedy output unchanged,
+    also when it drafts from a small draft vocabulary."""
     from dspark.draft.ngram import NoDrafter
 
     target = tiny_target(seed=0, vocab_size=V)
     params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
     prompt = [5, 17, 33, 5, 17, 33, 5, 17]
     want = generate(_engine(target, NoDrafter()), prompt, params).token_ids
+    cfg = dict(cfg)
+    vocab = cfg.pop("draft_vocab", 0)
     drafter = build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, **cfg)
+    if vocab:
+        drafter.set_draft_vocab(torch.randperm(V, generator=torch.Generator().manual_seed(5)), vocab)
     policy = "dspark" if kind == "dspark" else "fixed"
     assert generate(_engine(target, drafter, policy), prompt, params).token_ids == want
 

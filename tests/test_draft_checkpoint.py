@@ -253,3 +253,55 @@ def test_shipped_default_drafter_is_complete_and_small():
     record = config["dspark_weights"]
     assert record["bytes"] == weights.stat().st_size
     assert record["sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+
+
+def test_draft_vocabulary_round_trip_and_refusals(tmp_path):
+    """The ranking travels in draft_vocab.safetensors, the size in config.json; a folder
+    asking for a draft vocabulary without its ranking, or with a broken one, is refused."""
+    target = _target()
+    d = build_drafter("dspark", target.config, target.embed_tokens, target.lm_head_weight, seed=1,
+                      block_size=4, num_hidden_layers=1, markov_rank=8)
+    ranking = torch.randperm(V, generator=torch.Generator().manual_seed(0))
+    d.set_draft_vocab(ranking, 20)
+    folder = save_drafter(d, tmp_path / "d")
+    assert json.loads((folder / "config.json").read_text())["draft_vocab_size"] == 20
+    back = load_drafter_folder(folder, target)
+    assert torch.equal(back.draft_ranking, ranking) and back.config.draft_vocab_size == 20
+    assert torch.equal(back.draft_ids, ranking[:20].sort().values)
+    assert _propose(back).draft_probs[0, :, back.draft_ids].sum(-1).allclose(torch.ones(4))
+
+    (folder / checkpoint.DRAFT_VOCAB_NAME).write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="draft-vocab"):
+        load_drafter_folder(folder, target)
+    (folder / checkpoint.DRAFT_VOCAB_NAME).unlink()
+    with pytest.raises(CheckpointError, match="needs the token ranking"):
+        load_drafter_folder(folder, target)
+    checkpoint.write_draft_vocab(folder, torch.arange(10))
+    with pytest.raises(CheckpointError, match="exceeds the 10 ranked tokens"):
+        load_drafter_folder(folder, target)
+
+
+def test_draft_vocab_command_ranks_training_answers(tmp_path):
+    """`dspark draft-vocab` counts the assistant tokens of the training split, stores the
+    ranking and the size, keeps the weights file, and refuses drafters without a vocab head."""
+    from train_toys import write_toy_data
+
+    from dspark.cli import main
+    from dspark.train.data import SequenceStore
+    from dspark.train.draft_vocab import count_answer_tokens
+
+    target = tiny_target(seed=0)  # write_toy_data's target shape
+    data = write_toy_data(tmp_path / "data", num=12)
+    d = build_drafter("dflash", target.config, target.embed_tokens, target.lm_head_weight, block_size=3)
+    folder = save_drafter(d, tmp_path / "d")
+    weights = (folder / "model.safetensors").read_bytes()
+    assert main(["draft-vocab", str(folder), "--data", str(data), "--size", "16", "--holdout-fraction", "0"]) == 0
+    back = load_drafter_folder(folder, target)
+    assert back.config.draft_vocab_size == 16 and (folder / "model.safetensors").read_bytes() == weights
+    store = SequenceStore(data)
+    counts = count_answer_tokens(store, list(range(len(store))), target.config.vocab_size)
+    top = back.draft_ranking[:16]
+    assert bool((counts[top].min() >= counts[back.draft_ranking[16:]].max()))  # most frequent first
+    eagle = save_drafter(build_drafter("eagle3", target.config, target.embed_tokens, target.lm_head_weight,
+                                       block_size=3), tmp_path / "e")
+    assert main(["draft-vocab", str(eagle), "--data", str(data)]) == 2

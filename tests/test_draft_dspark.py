@@ -146,6 +146,57 @@ def test_transition_top_k_restricts_and_renormalises():
         prev = p.draft_tokens[:, k]
 
 
+@pytest.mark.parametrize("head,top_k", [("vanilla", 0), ("vanilla", 4), ("rnn", 0), ("none", 0)])
+def test_draft_vocabulary_restricts_support_and_renormalises(head, top_k):
+    """With a draft vocabulary of K tokens the reported p_k is the softmax of the
+    full-vocabulary logits (+ transition bias) restricted to those K tokens (and to
+    the top_k of them by base logit); every draft token lies in its support."""
+    target = _target()
+    d = _drafter(target, head, transition_top_k=top_k, enable_confidence_head=head != "none",
+                 confidence_head_with_markov=head != "none")
+    states = [d.new_state() for _ in range(2)]
+    d.observe(states, *_context(d, [5, 3]))
+    full_block = d.draft_block(states, torch.tensor([3, 8]))
+    ranking = torch.randperm(96, generator=torch.Generator().manual_seed(2))
+    d.set_draft_vocab(ranking, 12)
+    allowed = ranking[:12].sort().values
+    torch.testing.assert_close(d.draft_block(states, torch.tensor([3, 8])).base_logits,
+                               full_block.base_logits[..., allowed], rtol=1e-5, atol=1e-5)
+    p = _propose(d, states, [3, 8], [0.9, 0.9])
+    prev = torch.tensor([3, 8])
+    state = None if d.markov_head is None else d.markov_head.start_state(2)
+    for k in range(G):
+        logits = full_block.base_logits[:, k, allowed]
+        if d.markov_head is not None:
+            latent, state = d.markov_head.step(state, prev, full_block.hidden[:, k])
+            logits = logits + d.markov_head.bias(latent)[:, allowed]
+        keep = torch.ones_like(logits, dtype=torch.bool)
+        if top_k:
+            keep = torch.zeros_like(keep).scatter_(-1, full_block.base_logits[:, k, allowed].topk(top_k).indices, True)
+        want = torch.zeros(2, 96)
+        want[:, allowed] = torch.softmax(logits.masked_fill(~keep, float("-inf")) / 0.9, -1)
+        torch.testing.assert_close(p.draft_probs[:, k], want, rtol=1e-5, atol=1e-6)
+        assert bool((want.gather(1, p.draft_tokens[:, k : k + 1]) > 0).all())
+        prev = p.draft_tokens[:, k]
+    d.set_draft_vocab(ranking, 0)  # back to the whole vocabulary
+    assert d.draft_block(states, torch.tensor([3, 8])).base_logits.shape[-1] == 96
+
+
+def test_draft_vocabulary_refuses_bad_rankings():
+    target = _target()
+    d = _drafter(target, "vanilla")
+    with pytest.raises(UserError, match="needs the token ranking"):
+        d.set_draft_vocab(None, 10)
+    with pytest.raises(UserError, match="outside 0..95"):
+        d.set_draft_vocab(torch.tensor([0, 96]), 1)
+    with pytest.raises(UserError, match="repeats"):
+        d.set_draft_vocab(torch.tensor([1, 1, 2]), 2)
+    with pytest.raises(UserError, match="exceeds the 3 ranked"):
+        d.set_draft_vocab(torch.tensor([1, 2, 3]), 4)
+    with pytest.raises(UserError, match="needs the token ranking"):
+        _drafter(target, "vanilla", draft_vocab_size=8)
+
+
 def test_greedy_drafts_are_argmax_of_the_reported_distribution():
     target = _target()
     d = _drafter(target, "rnn")

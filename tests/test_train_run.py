@@ -112,6 +112,9 @@ def test_killed_run_resumes_exactly_then_calibrates(tmp_path):
     assert (tmp_path / "cal" / "reliability.png").stat().st_size > 5000
     reloaded = load_drafter_folder(whole, target.model)
     assert list(reloaded.config.calibration_temperatures) == pytest.approx(report["temperatures"])
+    # the trained folder ships its token ranking (draft vocabulary off until asked for); calibrate keeps it
+    assert reloaded.draft_ranking is not None and reloaded.config.draft_vocab_size == 0
+    assert sorted(reloaded.draft_ranking.tolist()) == list(range(target.config.vocab_size))
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "mtp", "dflash"])

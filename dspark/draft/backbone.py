@@ -38,9 +38,10 @@ class SharedVocab:
         """token_ids [...] -> [..., D] in the drafter's dtype."""
         return self.embed_weight[token_ids].to(dtype)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., D] -> float32 logits [..., V]."""
-        w = self.lm_head_weight
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [..., D] -> float32 logits [..., V], or [..., K] over a draft vocabulary
+        given its LM-head rows (rows [K, D])."""
+        w = self.lm_head_weight if rows is None else rows
         flat = hidden.reshape(-1, hidden.shape[-1]).to(w.dtype)
         return (w @ flat.T).T.float().reshape(*hidden.shape[:-1], w.shape[0])
 

@@ -10,6 +10,10 @@
                               weights file's size and sha256)
     folder/model.safetensors  DeepSpec parameter names (`layers.{i}.self_attn.q_proj.weight`,
                               `fc.weight`, `markov_head.markov_w1.weight`, ...)
+    folder/draft_vocab.safetensors  optional, dspark's own: `token_ids`, the target's tokens
+                              ranked by frequency in the training answers; with
+                              config draft_vocab_size = K > 0 the drafter drafts among
+                              the first K only (other engines ignore the file)
 
 The embedding and LM head are the target's: not written unless
 `self_contained=True` (for engines that expect them), and taken from the
@@ -36,16 +40,17 @@ from dspark.models.config import TargetConfig
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+DRAFT_VOCAB_NAME = "draft_vocab.safetensors"  # dspark's own: token ranking of the draft vocabulary
 SHARED = ("embed_tokens.weight", "lm_head.weight")
 CONFIG_FIELDS = {
     "dspark": ("block_size", "num_hidden_layers", "target_layer_ids", "mask_token_id", "intermediate_size",
                "markov_head_type", "markov_rank", "enable_confidence_head", "confidence_head_with_markov",
-               "calibration_temperatures", "transition_top_k"),
+               "calibration_temperatures", "transition_top_k", "draft_vocab_size"),
     "eagle3": ("block_size", "target_layer_ids", "intermediate_size"),
     "mtp": ("intermediate_size",),
 }
 CONFIG_FIELDS["dflash"] = ("block_size", "num_hidden_layers", "target_layer_ids", "mask_token_id",
-                           "intermediate_size", "transition_top_k")
+                           "intermediate_size", "transition_top_k", "draft_vocab_size")
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,9 @@ def save_drafter(
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     cfg["dspark_weights"] = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
     _atomic_write(folder / WEIGHTS_NAME, blob)
+    ranking = getattr(drafter, "draft_ranking", None)
+    if ranking is not None:
+        write_draft_vocab(folder, ranking)
     _atomic_write(folder / CONFIG_NAME, (json.dumps(cfg, indent=2) + "\n").encode())
     return folder
 
@@ -257,8 +265,10 @@ def load_drafter_folder(folder: str | Path, target, *, dtype: torch.dtype = torc
     kind = _kind_of(cfg, folder)
     draft_target = _check_target(cfg, target.config, folder)
     embed, head = target.embed_tokens.weight, target.lm_head_weight
+    fields = _drafter_fields(cfg, kind, folder)
+    vocab_size = int(fields.pop("draft_vocab_size", 0) or 0)  # installed after the weights, below
     try:
-        drafter = make_drafter(kind, draft_target, embed, head, _drafter_fields(cfg, kind, folder))
+        drafter = make_drafter(kind, draft_target, embed, head, fields)
     except UserError as exc:
         raise CheckpointError(f"{folder / CONFIG_NAME}: {exc}") from None
     tensors = _read_weights(folder, cfg)
@@ -266,4 +276,36 @@ def load_drafter_folder(folder: str | Path, target, *, dtype: torch.dtype = torc
         if name in tensors:
             _check_shared(name, tensors.pop(name), ours, folder)
     drafter.load_state_dict(_match_tensors(drafter, tensors, folder))
-    return drafter.to(device=embed.device, dtype=dtype)
+    drafter = drafter.to(device=embed.device, dtype=dtype)
+    ranking = read_draft_vocab(folder)
+    if hasattr(drafter, "set_draft_vocab") and (ranking is not None or vocab_size):
+        try:
+            drafter.set_draft_vocab(ranking, vocab_size)
+        except UserError as exc:
+            raise CheckpointError(f"{folder}: {exc}") from None
+    return drafter
+
+
+def read_draft_vocab(folder: str | Path) -> torch.Tensor | None:
+    """The token ranking of a drafter folder's draft vocabulary (int64 [N], most frequent
+    first), or None when the folder has none."""
+    path = Path(folder) / DRAFT_VOCAB_NAME
+    if not path.is_file():
+        return None
+    try:
+        ranking = load_file(str(path)).get("token_ids")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is unreadable ({exc}); rebuild it with `dspark draft-vocab`") from None
+    if ranking is None or ranking.dim() != 1 or ranking.is_floating_point():
+        raise CheckpointError(f"{path} lacks a 1-D integer tensor 'token_ids'; rebuild it with `dspark draft-vocab`")
+    return ranking.long()
+
+
+def write_draft_vocab(folder: str | Path, ranking: torch.Tensor, counts: torch.Tensor | None = None) -> Path:
+    """Write a draft-vocabulary token ranking (and the counts behind it) into a drafter folder."""
+    tensors = {"token_ids": torch.as_tensor(ranking, dtype=torch.int32).contiguous()}
+    if counts is not None:
+        tensors["counts"] = torch.as_tensor(counts, dtype=torch.int32).contiguous()
+    path = Path(folder) / DRAFT_VOCAB_NAME
+    _atomic_write(path, save(tensors, metadata={"format": "pt"}))
+    return path

@@ -90,6 +90,7 @@ class DSparkConfig:
     confidence_head_with_markov: bool = True  # confidence features include W1[x_{k-1}]
     calibration_temperatures: tuple[float, ...] | None = None  # G STS temperatures, each > 0; None = 1
     transition_top_k: int = 0  # restrict the sequential step to the top-K base-logit tokens; 0 = full vocab
+    draft_vocab_size: int = 0  # draft only among the K most frequent tokens (draft_vocab.safetensors); 0 = all
 
     @classmethod
     def from_dict(cls, values: dict) -> "DSparkConfig":
@@ -139,6 +140,10 @@ class DSparkConfig:
         _check(
             0 <= self.transition_top_k <= target.vocab_size,
             f"transition_top_k must be in 0..{target.vocab_size} (0 = full vocabulary), got {self.transition_top_k}",
+        )
+        _check(
+            0 <= self.draft_vocab_size <= target.vocab_size,
+            f"draft_vocab_size must be in 0..{target.vocab_size} (0 = full vocabulary), got {self.draft_vocab_size}",
         )
 
 

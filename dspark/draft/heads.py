@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark.models.layers import Linear
+from dspark.models.layers import Linear, linear
 
 
 class MarkovHead(nn.Module):
@@ -46,13 +46,19 @@ class MarkovHead(nn.Module):
         """prev_ids [...], hidden [..., D] -> latent u_k [..., r], next state."""
         return self.prev_embedding(prev_ids), state
 
-    def bias(self, latent: torch.Tensor) -> torch.Tensor:
-        """latent [..., r] -> float32 transition bias over the vocabulary [..., V]."""
-        return self.markov_w2(latent).float()
+    def bias(self, latent: torch.Tensor, w2_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """latent [..., r] -> float32 transition bias over the vocabulary [..., V], or over a
+        draft vocabulary [..., K] given its rows of W2 (w2_rows [K, r])."""
+        if w2_rows is None:
+            return self.markov_w2(latent).float()
+        return linear(latent, w2_rows).float()
 
-    def candidate_bias(self, latent: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-        """latent [R, r], candidates [R, K] token ids -> bias of just those tokens [R, K]."""
-        rows = self.markov_w2.weight[candidates]  # [R, K, r]
+    def candidate_bias(
+        self, latent: torch.Tensor, candidates: torch.Tensor, w2_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """latent [R, r], candidates [R, K] indices into the vocabulary (or into the draft
+        vocabulary whose W2 rows are w2_rows) -> bias of just those tokens [R, K]."""
+        rows = (self.markov_w2.weight if w2_rows is None else w2_rows)[candidates]  # [R, K, r]
         return (rows @ latent.unsqueeze(-1)).squeeze(-1).float()
 
     def block_latents(self, prev_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

@@ -46,51 +46,65 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
+def to_vocab(tokens: torch.Tensor, probs: torch.Tensor, vocab_ids: torch.Tensor | None, vocab_size: int):
+    """Map draws over a draft vocabulary back to the target's: tokens [R, G] local indices ->
+    token ids, probs [R, G, K] -> [R, G, V] (zero outside the draft vocabulary)."""
+    if vocab_ids is None:
+        return tokens, probs
+    full = probs.new_zeros(*probs.shape[:-1], vocab_size).index_copy_(-1, vocab_ids, probs)
+    return vocab_ids[tokens], full
+
+
 def sample_parallel(
-    base_logits: torch.Tensor,  # [R, G, V] float32
+    base_logits: torch.Tensor,  # [R, G, K] float32 (K = V, or the draft vocabulary's size)
     temperatures: torch.Tensor,  # [R]
     uniforms: torch.Tensor,  # [R, G]
+    vocab_ids: torch.Tensor | None = None,  # [K] token ids of a draft vocabulary (None: K = V)
+    vocab_size: int = 0,  # V, needed with vocab_ids
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """No sequential head: every position samples from its own base logits
     independently -> tokens [R, G] int64, probs [R, G, V] float32."""
-    r, g, v = base_logits.shape
-    probs = temperature_probs(base_logits.reshape(r * g, v), temperatures.repeat_interleave(g))
+    r, g, k = base_logits.shape
+    probs = temperature_probs(base_logits.reshape(r * g, k), temperatures.repeat_interleave(g))
     tokens = inverse_cdf(probs, uniforms.reshape(r * g))
-    return tokens.view(r, g), probs.view(r, g, v)
+    return to_vocab(tokens.view(r, g), probs.view(r, g, k), vocab_ids, vocab_size)
 
 
 def sample_sequential(
     head: MarkovHead,
-    base_logits: torch.Tensor,  # [R, G, V] float32, U_k
+    base_logits: torch.Tensor,  # [R, G, K] float32, U_k (K = V, or the draft vocabulary's size)
     hidden: torch.Tensor,  # [R, G, D] backbone hidden h_k
     anchors: torch.Tensor,  # [R] int64, x_0
     temperatures: torch.Tensor,  # [R]
     uniforms: torch.Tensor,  # [R, G]
     top_k: int = 0,  # restrict each step to the top_k tokens of U_k (0 = whole vocabulary)
+    vocab_ids: torch.Tensor | None = None,  # [K] token ids of a draft vocabulary (None: K = V)
+    vocab_size: int = 0,  # V, needed with vocab_ids
+    w2_rows: torch.Tensor | None = None,  # [K, r] the head's W2 rows of the draft vocabulary
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 4: x_k ~ p_k = softmax((U_k + B_k(x_{k-1}, ...)) / T), left to right.
     -> tokens [R, G] int64, probs [R, G, V] float32 (exactly the sampled p_k;
-    zero outside the candidates when top_k > 0)."""
+    zero outside the candidates when top_k > 0 and outside the draft vocabulary)."""
     r, g, v = base_logits.shape
     cand_logits = candidates = None
     if 0 < top_k < v:
-        cand_logits, candidates = base_logits.topk(top_k, dim=-1)  # [R, G, K]
+        cand_logits, candidates = base_logits.topk(top_k, dim=-1)  # [R, G, top_k] local indices
     # every row is written in full on the whole-vocabulary path; zeros are needed only with top_k
     probs = base_logits.new_empty(r, g, v) if candidates is None else base_logits.new_zeros(r, g, v)
-    tokens = torch.empty(r, g, dtype=torch.int64, device=base_logits.device)
+    local = torch.empty(r, g, dtype=torch.int64, device=base_logits.device)
     state = head.start_state(r)
-    prev = anchors
+    prev = anchors  # token ids: the head's W1 is indexed by the target's vocabulary
     for k in range(g):
         latent, state = head.step(state, prev, hidden[:, k])
         if candidates is None:
-            p_k = temperature_probs(base_logits[:, k] + head.bias(latent), temperatures)
-            prev = inverse_cdf(p_k, uniforms[:, k])
+            p_k = temperature_probs(base_logits[:, k] + head.bias(latent, w2_rows), temperatures)
+            idx = inverse_cdf(p_k, uniforms[:, k])
             probs[:, k] = p_k
         else:
             cand_k = candidates[:, k]
-            p_k = temperature_probs(cand_logits[:, k] + head.candidate_bias(latent, cand_k), temperatures)
-            idx = inverse_cdf(p_k, uniforms[:, k])
-            prev = cand_k.gather(1, idx[:, None]).squeeze(1)
+            p_k = temperature_probs(cand_logits[:, k] + head.candidate_bias(latent, cand_k, w2_rows), temperatures)
+            idx = cand_k.gather(1, inverse_cdf(p_k, uniforms[:, k])[:, None]).squeeze(1)
             probs[:, k].scatter_(-1, cand_k, p_k)
-        tokens[:, k] = prev
-    return tokens, probs
+        local[:, k] = idx
+        prev = idx if vocab_ids is None else vocab_ids[idx]
+    return to_vocab(local, probs, vocab_ids, vocab_size)

@@ -22,6 +22,7 @@ from dspark.train.anchors import make_batch, sample_seed
 from dspark.train.calibrate import DEFAULT_BINS, plot_reliability, position_metrics, sts_fit
 from dspark.train.config import TrainConfig, load_config
 from dspark.train.data import SequenceStore
+from dspark.train.draft_vocab import count_answer_tokens, rank_tokens
 from dspark.train.features import CachedFeatures, OnlineFeatures, build_feature_cache
 from dspark.train.trainer import DistInfo, DrafterIO, Trainer, freeze_shared
 
@@ -122,6 +123,9 @@ def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int
     summary["heldout"] = trainer.evaluate(heldout[:MAX_EVAL_SEQUENCES]) if heldout else None
     final = out_dir / "drafter"
     if info.rank == 0:
+        if hasattr(drafter, "set_draft_vocab"):  # ship the token ranking; `dspark draft-vocab --size K` turns it on
+            counts = count_answer_tokens(store, train, target.config.vocab_size)
+            drafter.set_draft_vocab(rank_tokens(counts), 0)
         save_drafter(drafter, final, extra_config={"num_anchors": cfg.optim.anchors_per_seq})
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         held = summary["heldout"] or {}
