@@ -113,6 +113,11 @@ def hardware_id(device: torch.device | str = "cpu") -> str:
     return f"{device.type}:{name}|threads={torch.get_num_threads()}|torch={torch.__version__}"
 
 
+# bumped when a change to the runtime or the drafters changes step times, so that profiles
+# cached by an older dspark are measured again instead of reused
+RUNTIME_REVISION = 2
+
+
 def profile_key(
     model_id: str, drafter_id: str, dtype: torch.dtype, device: torch.device | str,
     settings: ProfileSettings, extra: dict | None = None,
@@ -311,7 +316,11 @@ def profile_engine(
     dtype = next(target.parameters()).dtype
     drafter_id = drafter_id or drafter.name
     extra = {"block_size": drafter.block_size, "tap_layers": list(drafter.tap_layers),
-             "context": "passage" if tokenizer is not None else "pseudo-text"}
+             "context": "passage" if tokenizer is not None else "pseudo-text", "runtime": RUNTIME_REVISION}
+    config = getattr(drafter, "config", None)
+    for field in ("draft_vocab_size", "transition_top_k"):  # drafter settings that change D(R)
+        if hasattr(config, field):
+            extra[field] = getattr(config, field)
     name = f"{drafter_id}|G={drafter.block_size}"
     key = profile_key(model_id, name, dtype, device, settings, extra)
     forward_key = profile_key(model_id, f"{name}|forward", dtype, device, settings, extra)

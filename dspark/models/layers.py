@@ -1,18 +1,23 @@
 """Building blocks of a Llama-family decoder layer, shared by the target
 runtime and the drafters (whose layers have the target family's shape).
 
-Linear layers compute `x @ W.T` through `linear()`, which avoids a slow MKL
-path of `F.linear` for 2-3 input rows on CPU (see docs/ for the measurement).
+Linear layers compute `x @ W.T` through `linear()`: `F.linear`, except for
+2-3 input rows, where its MKL path is slow on CPU and `W @ x.T` is used
+instead (see the notes in docs/BENCHMARKS.md and docs/DRAFTING.md).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight.T (+ bias) for x [..., in], weight [out, in]."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if not 2 <= rows <= 3:
+        return F.linear(x, weight, bias)
     y = (weight @ x.reshape(-1, x.shape[-1]).T).T.reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 

@@ -31,10 +31,6 @@ from dspark.models.layers import RMSNorm, linear, rope_cos_sin
 from dspark.types import RaggedBatch, TargetOutput
 
 
-def _proj(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [N, in] @ weight.T: `F.linear` (one op) except for 2-3 rows, where its MKL path
-    is slow on CPU and `linear()` (W @ x.T) is used instead."""
-    return linear(x, weight, bias) if 2 <= x.shape[0] <= 3 else F.linear(x, weight, bias)
 
 
 def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -113,14 +109,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, plan: AttentionPlan, cache: KVCache, layer: int) -> torch.Tensor:
         """x [N, D] -> attention output [N, D]; writes the new keys/values into `cache`."""
         n, h, hkv, hd = x.shape[0], self.heads, self.kv_heads, self.head_dim
-        qkv = _proj(x, self.qkv_proj.weight, self.qkv_proj.bias).view(n, h + 2 * hkv, hd)
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias).view(n, h + 2 * hkv, hd)
         qk = qkv[:, : h + hkv]
         if self.q_norm is not None:
             qk = torch.cat([_norm(self.q_norm, qk[:, :h]), _norm(self.k_norm, qk[:, h:])], dim=1)
         qk = _rope(qk, plan)  # [N, H + Hkv, hd]
         cache.write(layer, plan.write_index, qk[:, h:].reshape(-1, hd), qkv[:, h + hkv :].reshape(-1, hd))
         out = _ragged_attention(qk[:, :h], cache, layer, plan, hkv)  # [N, H * hd]
-        return _proj(out, self.o_proj.weight, self.o_proj.bias)
+        return linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
 def _rope(x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
@@ -176,9 +172,9 @@ class MLP(nn.Module):
         _split_rows(state, prefix, MLP._names, module.gate_up_proj.sizes, "gate_up_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = _proj(x, self.gate_up_proj.weight)
+        gate_up = linear(x, self.gate_up_proj.weight)
         gate, up = gate_up[..., : self.inner], gate_up[..., self.inner :]
-        return _proj(F.silu(gate) * up, self.down_proj.weight)
+        return linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -243,7 +239,7 @@ class TargetModel(nn.Module):
         """LM head: last_hidden [..., D] (final-normed) -> logits [..., V] float32."""
         h = last_hidden.to(self.dtype)
         vocab = self.lm_head_weight.shape[0]
-        return _proj(h.reshape(-1, h.shape[-1]), self.lm_head_weight).float().reshape(*h.shape[:-1], vocab)
+        return linear(h.reshape(-1, h.shape[-1]), self.lm_head_weight).float().reshape(*h.shape[:-1], vocab)
 
     def new_cache(self, max_slots: int, max_seq_len: int) -> KVCache:
         """A KV cache shaped for this model, in the model's dtype."""
