@@ -15,7 +15,8 @@ def test_decode_bench_reports_each_case(tmp_path) -> None:
         str(folder), repeats=2, context=16, cases=((1, 1), (2, 3)), warmup=0, clock="cpu", print_fn=printed.append
     )
     rows = {(t["runtime"], t["dtype"], t["batch"], t["new_tokens"]) for t in result["timings"]}
-    for runtime, dtype in (("dspark", "float32"), ("dspark", "bfloat16"), ("transformers", "float32")):
+    for runtime, dtype in (("dspark", "float32"), ("dspark", "bfloat16"), ("matmuls only", "float32"),
+                           ("transformers", "float32")):
         assert {(runtime, dtype, 1, 1), (runtime, dtype, 2, 3)} <= rows
     assert all(t["ms"] > 0 for t in result["timings"])
     assert printed == [format_table(result)] and "batch 2, q=3" in printed[0]

@@ -83,6 +83,30 @@ def time_lean(
     return timings
 
 
+def time_matmuls_only(
+    target: LoadedTarget, batch: int, new_tokens: list[int], repeats: int, warmup: int, clock: str
+) -> dict[int, float]:
+    """Median ms of just the weight matmuls of one forward (every projection of every layer and
+    the LM head, over batch x q rows, through the runtime's own `linear`): the floor a forward
+    cannot go below while it reads these weights, whatever the rest of the runtime does."""
+    from dspark.models.layers import linear
+
+    model = target.model
+    weights = [p for name, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name]
+    weights.append(model.lm_head_weight)
+    timings = {}
+    for q in new_tokens:
+        rows = {w.shape[1]: torch.randn(batch * q, w.shape[1], dtype=w.dtype) for w in weights}
+
+        def step() -> None:
+            with torch.inference_mode():
+                for w in weights:
+                    linear(rows[w.shape[1]], w)
+
+        timings[q] = _median_ms(step, repeats, warmup, clock)
+    return timings
+
+
 def time_transformers(
     hf_model, vocab: int, batch: int, new_tokens: list[int], context: int, repeats: int, warmup: int, clock: str
 ) -> dict[int, float]:
@@ -159,9 +183,12 @@ def _run_cases(
     for dtype in dtypes:
         loaded = load_target(target, home=home, dtype=dtype)
         folder = loaded.path
+        name = str(dtype).removeprefix("torch.")
         for batch, qs in _by_batch(cases).items():
             for q, ms in time_lean(loaded, batch, qs, context, repeats, warmup, clock).items():
-                timings.append(DecodeTiming("dspark", str(dtype).removeprefix("torch."), batch, q, ms))
+                timings.append(DecodeTiming("dspark", name, batch, q, ms))
+            for q, ms in time_matmuls_only(loaded, batch, qs, repeats, warmup, clock).items():
+                timings.append(DecodeTiming("matmuls only", name, batch, q, ms))
         del loaded
     if include_transformers:
         from transformers import AutoModelForCausalLM
