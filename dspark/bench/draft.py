@@ -6,7 +6,8 @@ target's verification forward of the same block.
 Each case observes `context` random target features per request once, then
 times `propose` (median of `repeats` after `warmup`), its two stages
 separately, the sequential stage with the top-K transition restriction, the
-per-round `observe` of a typical accepted prefix, and (when the target can
+per-round `observe` of a typical accepted prefix, `propose` again with a
+draft vocabulary of K tokens (`vocabK`), and (when the target can
 run) one target forward of batch x (G + 1) tokens with the drafter's tapped
 layers, rolled back after each repeat. Weights are random: speed does not
 depend on them.
@@ -47,7 +48,9 @@ def _observed_states(drafter: DSparkDrafter, batch: int, context: int) -> list:
     return states
 
 
-def _time_drafter(drafter: DSparkDrafter, batch: int, context: int, repeats: int, warmup: int, top_ks) -> dict:
+def _time_drafter(
+    drafter: DSparkDrafter, batch: int, context: int, repeats: int, warmup: int, top_ks, vocab_sizes=()
+) -> dict:
     g = drafter.block_size
     states = _observed_states(drafter, batch, context)
     anchors = torch.arange(batch, dtype=torch.int64) + 20
@@ -71,6 +74,11 @@ def _time_drafter(drafter: DSparkDrafter, batch: int, context: int, repeats: int
         drafter.config = dataclasses.replace(base_config, transition_top_k=k)
         row[f"sequential_top{k}_ms"] = _median_ms(sequential, repeats, warmup)
     drafter.config = base_config
+    ranking = torch.arange(drafter.target_config.vocab_size)  # which K tokens does not change the cost
+    for k in vocab_sizes:
+        drafter.set_draft_vocab(ranking, k)
+        row[f"propose_vocab{k}_ms"] = _median_ms(lambda: drafter.propose(states, anchors, params, gens), repeats, warmup)
+    drafter.set_draft_vocab(None, 0)
     accepted = g // 2 + 1
     new_hidden = [torch.randn(accepted, len(drafter.tap_layers), drafter.target_config.hidden_size)] * batch
     new_tokens = [torch.zeros(accepted, dtype=torch.int64)] * batch
@@ -115,6 +123,7 @@ def run_draft_bench(
     repeats: int = 5,
     warmup: int = 1,
     top_ks: tuple[int, ...] = (256,),
+    vocab_sizes: tuple[int, ...] = (8192,),
     verify: bool = True,
     drafter_config: dict | None = None,
     log: Callable[[str], None] = print,
@@ -124,19 +133,22 @@ def run_draft_bench(
     cases = []
     sizes = None
     log(f"{'G':>3} {'R':>3} | {'propose':>8} {'backbone':>8} {'seq':>7} {'seq%':>5} "
-        + " ".join(f"{'seqK' + str(k):>8}" for k in top_ks) + f" {'observe':>8} | {'verify':>8}  (ms)")
+        + " ".join(f"{'seqK' + str(k):>8}" for k in top_ks)
+        + "".join(f" {'vocab' + str(k):>9}" for k in vocab_sizes) + f" {'observe':>8} | {'verify':>8}  (ms)")
     for gamma in gammas:
         drafter = build_drafter("dspark", target.config, target.embed_tokens, target.lm_head_weight,
                                 **{**(drafter_config or {}), "block_size": gamma})
         sizes = sizes or drafter_size(drafter)
         for batch in batches:
-            row = {"block_size": gamma, "batch": batch, **_time_drafter(drafter, batch, context, repeats, warmup, top_ks)}
+            timed = _time_drafter(drafter, batch, context, repeats, warmup, top_ks, vocab_sizes)
+            row = {"block_size": gamma, "batch": batch, **timed}
             if verify:
                 row["verify_ms"] = _time_verify(target, batch, gamma + 1, context, drafter.tap_layers, repeats, warmup)
             cases.append(row)
             log(f"{gamma:>3} {batch:>3} | {row['propose_ms']:8.2f} {row['backbone_ms']:8.2f} "
                 f"{row['sequential_ms']:7.2f} {100 * row['sequential_share']:4.0f}% "
                 + " ".join(f"{row[f'sequential_top{k}_ms']:8.2f}" for k in top_ks)
+                + "".join(f" {row[f'propose_vocab{k}_ms']:9.2f}" for k in vocab_sizes)
                 + f" {row['observe_ms']:8.2f} | {row.get('verify_ms', float('nan')):8.2f}")
     params, fp16_bytes = sizes
     return {
