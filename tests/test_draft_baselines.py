@@ -140,7 +140,8 @@ def _engine(target, drafter, policy="fixed"):
                                                   "draft_vocab": 20, "transition_top_k": 6}),
                                       ("dflash", {"block_size": 4, "num_hidden_layers": 1}),
                                       ("dflash", {"block_size": 4, "num_hidden_layers": 1, "draft_vocab": 20}),
-                                      ("eagle3", {"block_size": 3}), ("mtp", {})])
+                                      ("eagle3", {"block_size": 3}), ("eagle3", {"block_size": 3, "draft_vocab": 20}),
+                                      ("mtp", {}), ("mtp", {"draft_vocab": 20})])
 def test_engine_greedy_output_unchanged_by_learned_drafters(kind, cfg):
     """Through the real engine (tapped target hidden states, verification,
     rollback), a randomly initialised drafter leaves greedy output unchanged,

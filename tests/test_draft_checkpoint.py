@@ -283,7 +283,7 @@ def test_draft_vocabulary_round_trip_and_refusals(tmp_path):
 
 def test_draft_vocab_command_ranks_training_answers(tmp_path):
     """`dspark draft-vocab` counts the assistant tokens of the training split, stores the
-    ranking and the size, keeps the weights file, and refuses drafters without a vocab head."""
+    ranking and the size, keeps the weights file, and refuses bad sizes and folders."""
     from train_toys import write_toy_data
 
     from dspark.cli import main
@@ -302,6 +302,5 @@ def test_draft_vocab_command_ranks_training_answers(tmp_path):
     counts = count_answer_tokens(store, list(range(len(store))), target.config.vocab_size)
     top = back.draft_ranking[:16]
     assert bool((counts[top].min() >= counts[back.draft_ranking[16:]].max()))  # most frequent first
-    eagle = save_drafter(build_drafter("eagle3", target.config, target.embed_tokens, target.lm_head_weight,
-                                       block_size=3), tmp_path / "e")
-    assert main(["draft-vocab", str(eagle), "--data", str(data)]) == 2
+    assert main(["draft-vocab", str(folder), "--data", str(data), "--size", "97"]) == 2  # vocabulary is 96
+    assert main(["draft-vocab", str(tmp_path / "nowhere"), "--data", str(data)]) == 2

@@ -142,20 +142,21 @@ def test_untrained_learned_drafters_are_lossless(kind, cfg, policy):
     assert result.p_value > ALPHA, result
 
 
-@pytest.mark.parametrize("kind,cfg", [("dspark", {"markov_head_type": "vanilla", "markov_rank": 4}), ("dflash", {})])
+@pytest.mark.parametrize("kind,cfg", [("dspark", {"block_size": 3, "markov_head_type": "vanilla", "markov_rank": 4}),
+                                      ("dflash", {"block_size": 3}), ("eagle3", {"block_size": 3}), ("mtp", {})])
 def test_draft_vocabulary_is_lossless(kind, cfg):
     """A drafter restricted to 5 of the 8 tokens can never propose the other 3;
     the engine's output must still follow the target exactly."""
     from dspark.draft.factory import build_drafter
 
     target = _flat_target()
-    drafter = build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, seed=3,
-                            block_size=3, **cfg)
+    drafter = build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, seed=3, **cfg)
     drafter.set_draft_vocab(torch.tensor([6, 1, 4, 0, 3, 7, 2, 5]), 5)
     params = SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=NUM_TOKENS + 1, ignore_eos=True)
     samples = _engine_samples(target, drafter, "dspark" if kind == "dspark" else "fixed", params, num_samples=8192)
     result = chi_square(samples, _exact_joint(target, params), VOCAB)
     assert result.p_value > ALPHA, result
+    assert drafter.draft_ids.tolist() == [0, 1, 3, 4, 6]  # the first 5 ranked, sorted
 
 
 def test_engine_test_rejects_misreported_draft_probabilities():

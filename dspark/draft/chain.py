@@ -26,7 +26,8 @@ from torch import nn
 from dspark.draft.backbone import SharedVocab
 from dspark.draft.base import DraftTrainOutput, TrainableDrafter, empty_proposal
 from dspark.draft.blocks import ContextKV, LayerShape, RowBuffer, attend
-from dspark.draft.sampling import draw_uniforms, inverse_cdf, temperature_probs
+from dspark.draft.sampling import draw_uniforms, inverse_cdf, temperature_probs, to_vocab
+from dspark.draft.vocab import DraftVocabMixin
 from dspark.types import DraftProposal, SamplingParams
 
 
@@ -40,7 +41,7 @@ class ChainState:
         return self.kv.length
 
 
-class ChainDrafter(nn.Module, TrainableDrafter):
+class ChainDrafter(DraftVocabMixin, nn.Module, TrainableDrafter):
     """Subclasses define `layer` (with self_attn, mlp, post_attention_layernorm),
     `norm`, `feature()` and `pair_input()`."""
 
@@ -130,7 +131,8 @@ class ChainDrafter(nn.Module, TrainableDrafter):
         hidden = torch.stack([self._pending(s) for s in states])[:, None]  # [R, 1, D]
         tokens = anchors.to(self.device)
         draft_tokens = torch.empty(r, g, dtype=torch.int64, device=self.device)
-        probs = torch.empty(r, g, self.vocab.vocab_size, dtype=torch.float32, device=self.device)
+        k_vocab = self.vocab.vocab_size if self.draft_ids is None else self.draft_ids.numel()
+        probs = torch.empty(r, g, k_vocab, dtype=torch.float32, device=self.device)
         for k in range(g):
 
             def attend_fn(q, kk, vv, k=k):
@@ -143,9 +145,11 @@ class ChainDrafter(nn.Module, TrainableDrafter):
                 return torch.cat(outs)
 
             hidden = self._step(hidden, tokens[:, None], (starts + k)[:, None], attend_fn)
-            p_k = temperature_probs(self.logits(hidden[:, 0]), temperatures)
-            tokens = inverse_cdf(p_k, uniforms[:, k])
-            draft_tokens[:, k], probs[:, k] = tokens, p_k
+            p_k = temperature_probs(self.vocab.logits(self.norm(hidden[:, 0]), self.draft_lm_head), temperatures)
+            local = inverse_cdf(p_k, uniforms[:, k])
+            tokens = self.draft_token_ids(local)
+            draft_tokens[:, k], probs[:, k] = local, p_k
+        draft_tokens, probs = to_vocab(draft_tokens, probs, self.draft_ids, self.vocab.vocab_size)
         return DraftProposal(
             draft_tokens=draft_tokens,
             num_drafted=torch.full((r,), g, dtype=torch.int64),

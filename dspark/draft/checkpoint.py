@@ -46,8 +46,8 @@ CONFIG_FIELDS = {
     "dspark": ("block_size", "num_hidden_layers", "target_layer_ids", "mask_token_id", "intermediate_size",
                "markov_head_type", "markov_rank", "enable_confidence_head", "confidence_head_with_markov",
                "calibration_temperatures", "transition_top_k", "draft_vocab_size"),
-    "eagle3": ("block_size", "target_layer_ids", "intermediate_size"),
-    "mtp": ("intermediate_size",),
+    "eagle3": ("block_size", "target_layer_ids", "intermediate_size", "draft_vocab_size"),
+    "mtp": ("intermediate_size", "draft_vocab_size"),
 }
 CONFIG_FIELDS["dflash"] = ("block_size", "num_hidden_layers", "target_layer_ids", "mask_token_id",
                            "intermediate_size", "transition_top_k", "draft_vocab_size")

@@ -61,6 +61,11 @@ def _validate_layer_ids(ids: tuple[int, ...], num_target_layers: int, what: str)
     )
 
 
+def _check_draft_vocab_size(size: int, target: TargetConfig) -> None:
+    _check(0 <= size <= target.vocab_size,
+           f"draft_vocab_size must be in 0..{target.vocab_size} (0 = full vocabulary), got {size}")
+
+
 def _from_dict(cls, values: dict, what: str):
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(values) - known)
@@ -141,10 +146,7 @@ class DSparkConfig:
             0 <= self.transition_top_k <= target.vocab_size,
             f"transition_top_k must be in 0..{target.vocab_size} (0 = full vocabulary), got {self.transition_top_k}",
         )
-        _check(
-            0 <= self.draft_vocab_size <= target.vocab_size,
-            f"draft_vocab_size must be in 0..{target.vocab_size} (0 = full vocabulary), got {self.draft_vocab_size}",
-        )
+        _check_draft_vocab_size(self.draft_vocab_size, target)
 
 
 def dflash_overrides() -> dict:
@@ -160,6 +162,7 @@ class Eagle3Config:
     block_size: int = 7  # G: autoregressive draft steps (TTT horizon), 1..32
     target_layer_ids: tuple[int, ...] = ()  # fused target layers; () = (2, L//2, L-3)
     intermediate_size: int = 0  # SwiGLU width; 0 = the target's
+    draft_vocab_size: int = 0  # draft only among the K most frequent tokens (draft_vocab.safetensors); 0 = all
 
     @classmethod
     def from_dict(cls, values: dict) -> "Eagle3Config":
@@ -175,6 +178,7 @@ class Eagle3Config:
             cfg = dataclasses.replace(cfg, intermediate_size=target.intermediate_size)
         _check(1 <= cfg.block_size <= 32, f"block_size must be in 1..32, got {cfg.block_size}")
         _validate_layer_ids(cfg.target_layer_ids, target.num_hidden_layers, "target_layer_ids")
+        _check_draft_vocab_size(cfg.draft_vocab_size, target)
         return cfg
 
 
@@ -184,6 +188,7 @@ class MTPConfig:
 
     intermediate_size: int = 0  # SwiGLU width; 0 = the target's
     block_size: int = 1  # fixed at 1: MTP-1 predicts one token
+    draft_vocab_size: int = 0  # draft only among the K most frequent tokens (draft_vocab.safetensors); 0 = all
 
     @classmethod
     def from_dict(cls, values: dict) -> "MTPConfig":
@@ -194,4 +199,5 @@ class MTPConfig:
         if cfg.intermediate_size <= 0:
             cfg = dataclasses.replace(cfg, intermediate_size=target.intermediate_size)
         _check(cfg.block_size == 1, f"an MTP-1 drafter has block_size 1, got {cfg.block_size}")
+        _check_draft_vocab_size(cfg.draft_vocab_size, target)
         return cfg

@@ -22,13 +22,9 @@ from dspark.draft.blocks import ContextKV
 from dspark.draft.config import DSparkConfig
 from dspark.draft.heads import ConfidenceHead, build_markov_head
 from dspark.draft.sampling import draw_uniforms, sample_parallel, sample_sequential
-from dspark.errors import UserError
+from dspark.draft.vocab import DraftVocabMixin
 from dspark.models.config import TargetConfig
 from dspark.types import DraftProposal, SamplingParams
-
-
-_NO_RANKING = ("draft_vocab_size = {size} needs the token ranking in the drafter folder's draft_vocab.safetensors; "
-               "build it with `dspark draft-vocab FOLDER --data DIR`, or set draft_vocab_size to 0")
 
 
 @dataclass
@@ -50,7 +46,7 @@ class DraftBlock:
     base_logits: torch.Tensor  # [R, G, K] float32 U_k over the draft vocabulary (K = V without one)
 
 
-class DSparkDrafter(ParallelBackbone, TrainableDrafter):
+class DSparkDrafter(DraftVocabMixin, ParallelBackbone, TrainableDrafter):
     """Semi-autoregressive drafter; see the module docstring."""
 
     def __init__(
@@ -78,11 +74,8 @@ class DSparkDrafter(ParallelBackbone, TrainableDrafter):
         self.has_confidence = self.confidence_head is not None
         temps = config.calibration_temperatures or (1.0,) * config.block_size
         self.register_buffer("calibration", torch.tensor(temps, dtype=torch.float32), persistent=False)
-        # draft vocabulary (inference only; see set_draft_vocab): token ranking, chosen ids, their rows
-        self.draft_ranking: torch.Tensor | None = None
-        self.draft_ids = self.draft_lm_head = self.draft_w2 = None
-        if config.draft_vocab_size:
-            raise UserError(_NO_RANKING.format(size=config.draft_vocab_size))
+        self.draft_w2: torch.Tensor | None = None  # [K, r] W2 rows of the draft vocabulary, if one is set
+        self._check_no_draft_vocab()
 
     # ------------------------------------------------------------ protocol
     def new_state(self) -> DSparkState:
@@ -137,36 +130,12 @@ class DSparkDrafter(ParallelBackbone, TrainableDrafter):
     def release(self, state: DSparkState) -> None:  # noqa: D102
         state.kv = self.new_context_kv()
 
-    def set_draft_vocab(self, ranking: torch.Tensor | None, size: int | None = None) -> None:
-        """Draft only among the `size` first tokens of `ranking` (token ids, most frequent first;
-        size None: config.draft_vocab_size; 0: the whole vocabulary).
-
-        Lossless whatever the ranking: the verifier receives the probabilities the tokens were
-        drawn from, zero outside the draft vocabulary. It makes the LM head and the Markov
-        transition of a round K/V of their cost; acceptance drops only where the target picks a
-        token outside the K. Call it after moving the drafter to its device and dtype."""
-        v = self.target_config.vocab_size
-        size = self.config.draft_vocab_size if size is None else int(size)
-        if ranking is not None:
-            ranking = torch.as_tensor(ranking, dtype=torch.int64).flatten().cpu()
-            if ranking.numel() and (int(ranking.min()) < 0 or int(ranking.max()) >= v):
-                raise UserError(f"draft vocabulary ranking holds token ids outside 0..{v - 1}; rebuild it")
-            if ranking.unique().numel() != ranking.numel():
-                raise UserError("draft vocabulary ranking repeats token ids; rebuild it")
-        if size and ranking is None:
-            raise UserError(_NO_RANKING.format(size=size))
-        if ranking is not None and size > ranking.numel():
-            raise UserError(f"draft_vocab_size {size} exceeds the {ranking.numel()} ranked tokens; pick a smaller size")
-        config = dataclasses.replace(self.config, draft_vocab_size=size)
-        config.validate(self.target_config)
-        self.config, self.draft_ranking = config, ranking
-        if size == 0 or size >= v:
-            self.draft_ids = self.draft_lm_head = self.draft_w2 = None
-            return
-        ids = ranking[:size].sort().values.to(self.device)
-        self.draft_ids = ids
-        self.draft_lm_head = self.vocab.lm_head_weight[ids.to(self.vocab.lm_head_weight.device)].contiguous()
-        self.draft_w2 = None if self.markov_head is None else self.markov_head.markov_w2.weight.detach()[ids].contiguous()
+    def _draft_vocab_changed(self) -> None:
+        """The Markov transition's W2 rows of the draft vocabulary (see DraftVocabMixin)."""
+        rows = None
+        if self.draft_ids is not None and self.markov_head is not None:
+            rows = self.markov_head.markov_w2.weight.detach()[self.draft_ids].contiguous()
+        self.draft_w2 = rows
 
     # ------------------------------------------------------------ stages
     def draft_block(self, states: list[DSparkState], anchors: torch.Tensor) -> DraftBlock:

@@ -49,6 +49,7 @@ class Eagle3Drafter(ChainDrafter):
         self.norm = RMSNorm(target.hidden_size, target.rms_norm_eps)
         self.block_size = config.block_size
         self.tap_layers = tuple(config.target_layer_ids)
+        self._check_no_draft_vocab()
 
     @property
     def layer(self) -> Eagle3Layer:

@@ -37,6 +37,7 @@ class MTPDrafter(ChainDrafter):
         self.norm = RMSNorm(d, target.rms_norm_eps)
         self.block_size = 1
         self.tap_layers = (target.num_hidden_layers - 1,)
+        self._check_no_draft_vocab()
 
     @property
     def layer(self) -> DraftDecoderLayer:

@@ -1,9 +1,9 @@
-"""The draft vocabulary of a DSpark / DFlash drafter: the target's tokens ranked
+"""The draft vocabulary of a learned drafter: the target's tokens ranked
 by how often the target itself produced them in the training answers.
 
-With `draft_vocab_size = K` a drafter computes its LM head and Markov
-transition over the first K ranked tokens only (see
-`DSparkDrafter.set_draft_vocab`). Drafting stays lossless; the ranking only
+With `draft_vocab_size = K` a drafter computes its LM head (and DSpark's
+Markov transition) over the first K ranked tokens only (see
+`dspark.draft.vocab`). Drafting stays lossless; the ranking only
 decides how much of the target's choice the drafter can still propose.
 Tokens never seen in the answers are ranked after the seen ones by token id,
 which in a BPE vocabulary roughly follows merge order (frequent merges first).
@@ -56,9 +56,9 @@ def build_draft_vocab(
 
     folder = Path(drafter_dir)
     cfg = _read_config(folder)
-    kind = _kind_of(cfg, folder)
-    if kind not in ("dspark", "dflash"):
-        raise UserError(f"{folder} is a {kind} drafter; draft vocabularies are for dspark and dflash drafters")
+    _kind_of(cfg, folder)  # a learned drafter folder, or a clear error
+    if "vocab_size" not in cfg:
+        raise UserError(f"{folder / CONFIG_NAME} lacks vocab_size; re-save the drafter")
     vocab = int(cfg["vocab_size"])
     if not 0 <= size <= vocab:
         raise UserError(f"--size must be in 0..{vocab} (0 = the whole vocabulary), got {size}")

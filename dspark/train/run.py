@@ -123,9 +123,8 @@ def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int
     summary["heldout"] = trainer.evaluate(heldout[:MAX_EVAL_SEQUENCES]) if heldout else None
     final = out_dir / "drafter"
     if info.rank == 0:
-        if hasattr(drafter, "set_draft_vocab"):  # ship the token ranking; `dspark draft-vocab --size K` turns it on
-            counts = count_answer_tokens(store, train, target.config.vocab_size)
-            drafter.set_draft_vocab(rank_tokens(counts), 0)
+        # ship the token ranking; `dspark draft-vocab FOLDER --size K` turns the draft vocabulary on
+        drafter.set_draft_vocab(rank_tokens(count_answer_tokens(store, train, target.config.vocab_size)), 0)
         save_drafter(drafter, final, extra_config={"num_anchors": cfg.optim.anchors_per_seq})
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         held = summary["heldout"] or {}
