@@ -234,6 +234,43 @@ def test_incremental_cache_equals_recompute_also_after_truncation(head):
     torch.testing.assert_close(a.confidences, b.confidences)
 
 
+def test_observe_projects_lazily_and_equals_eager_projection():
+    """observe only buffers the hidden states; the next propose (or truncate, or a full
+    buffer) projects every pending request at once, giving what one-by-one projection gives."""
+    from dspark.draft.dspark import MAX_PENDING_ROWS
+
+    target = _target()
+    d = _drafter(target, "vanilla")
+    tokens, hidden = _context(d, [9, 4], seed=3)
+    lazy, eager = [d.new_state(), d.new_state()], [d.new_state(), d.new_state()]
+    for lo, hi in [(0, 2), (2, 3), (3, 4)]:
+        d.observe(lazy, [t[lo:hi] for t in tokens], [h[lo:hi] for h in hidden])
+        d.observe(eager, [t[lo:hi] for t in tokens], [h[lo:hi] for h in hidden])
+        d.project_pending(eager)
+    d.observe(lazy, [tokens[0][4:], tokens[1][4:]], [hidden[0][4:], hidden[1][4:]])
+    d.observe(eager, [tokens[0][4:], tokens[1][4:]], [hidden[0][4:], hidden[1][4:]])
+    assert [s.kv.length for s in lazy] == [0, 0] and [s.num_context for s in lazy] == [9, 4]
+    a = _propose(d, lazy, [5, 6], [1.0, 1.0], seed=4)
+    b = _propose(d, eager, [5, 6], [1.0, 1.0], seed=4)
+    assert [s.kv.length for s in lazy] == [9, 4] and not lazy[0].pending
+    assert torch.equal(a.draft_tokens, b.draft_tokens)
+    torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-5, atol=1e-6)
+    # a request never drafted for projects once it holds MAX_PENDING_ROWS rows
+    state = d.new_state()
+    many = torch.randn(MAX_PENDING_ROWS - 1, len(d.tap_layers), 32)
+    d.observe([state], [torch.zeros(MAX_PENDING_ROWS - 1, dtype=torch.int64)], [many])
+    assert state.kv.length == 0 and state.num_pending == MAX_PENDING_ROWS - 1
+    d.observe([state], [torch.zeros(1, dtype=torch.int64)], [many[:1]])
+    assert state.kv.length == MAX_PENDING_ROWS and state.num_pending == 0
+    # truncating into pending rows, and release, leave a consistent state
+    d.observe([state], [torch.zeros(3, dtype=torch.int64)], [many[:3]])
+    d.truncate(state, MAX_PENDING_ROWS + 1)
+    assert state.num_context == MAX_PENDING_ROWS + 1 and not state.pending
+    d.observe([state], [torch.zeros(2, dtype=torch.int64)], [many[:2]])
+    d.release(state)
+    assert state.num_context == 0
+
+
 def test_batched_propose_equals_one_request_at_a_time():
     target = _target()
     d = _drafter(target, "gated")

@@ -27,15 +27,25 @@ from dspark.models.config import TargetConfig
 from dspark.types import DraftProposal, SamplingParams
 
 
+# observed rows a request may hold unprojected before observe projects them anyway
+MAX_PENDING_ROWS = 64
+
+
 @dataclass
 class DSparkState:
-    """One request's drafter state: projected context keys/values per draft layer."""
+    """One request's drafter state: projected context keys/values per draft layer, and the
+    tapped hidden states of committed tokens not projected yet (see `DSparkDrafter.observe`)."""
 
     kv: ContextKV
+    pending: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [n, T, D] chunks
+
+    @property
+    def num_pending(self) -> int:
+        return sum(int(h.shape[0]) for h in self.pending)
 
     @property
     def num_context(self) -> int:
-        return self.kv.length
+        return self.kv.length + self.num_pending
 
 
 @dataclass
@@ -82,24 +92,42 @@ class DSparkDrafter(DraftVocabMixin, ParallelBackbone, TrainableDrafter):
         return DSparkState(self.new_context_kv())
 
     @torch.no_grad()
-    def observe(self, states, token_ids, tapped_hidden) -> None:  # noqa: D102
+    def observe(self, states, token_ids, tapped_hidden) -> None:
+        """Take the committed tokens' tapped hidden states. They are projected into context
+        keys/values lazily, for all pending requests at once, when a request is drafted for
+        next (or holds MAX_PENDING_ROWS): steps on which the scheduler skips drafting then
+        cost no drafter work, and one batched projection replaces many one-row ones."""
         if tapped_hidden is None:
             raise ValueError(f"{self.name} needs the target's hidden states of layers {self.tap_layers}")
         lengths = [int(h.shape[0]) for h in tapped_hidden]
         if lengths != [int(t.shape[0]) for t in token_ids]:
             raise ValueError("observe needs one hidden-state row per committed token")
-        if sum(lengths) == 0:
+        full = []
+        for state, hidden, n in zip(states, tapped_hidden, lengths):
+            if not n:
+                continue
+            if hidden.dim() != 3 or hidden.shape[1] != len(self.tap_layers):
+                raise ValueError(f"expected hidden states of {len(self.tap_layers)} tapped layers, got {tuple(hidden.shape)}")
+            state.pending.append(hidden.detach().to(self.device, copy=True))  # not a view of the step's batch
+            if state.num_pending >= MAX_PENDING_ROWS:
+                full.append(state)
+        self.project_pending(full)
+
+    @torch.no_grad()
+    def project_pending(self, states: list[DSparkState]) -> None:
+        """Project the pending hidden states of `states` into their context keys/values."""
+        states = [s for s in states if s.pending]
+        if not states:
             return
-        hidden = torch.cat(list(tapped_hidden)).to(self.device)  # [N, T, D]
-        if hidden.shape[1] != len(self.tap_layers):
-            raise ValueError(f"expected hidden states of {len(self.tap_layers)} tapped layers, got {hidden.shape[1]}")
+        chunks = [torch.cat(s.pending) for s in states]
+        lengths = [int(c.shape[0]) for c in chunks]
         positions = torch.cat(
             [torch.arange(s.kv.length, s.kv.length + n, device=self.device) for s, n in zip(states, lengths)]
         )
-        keys, values = self.context_kv(self.context_features(hidden), positions)  # [L, N, Hkv, hd]
+        keys, values = self.context_kv(self.context_features(torch.cat(chunks)), positions)  # [L, N, Hkv, hd]
         for state, k, v in zip(states, keys.split(lengths, dim=1), values.split(lengths, dim=1)):
-            if k.shape[1]:
-                state.kv.append(k, v)
+            state.kv.append(k, v)
+            state.pending.clear()
 
     @torch.no_grad()
     def propose(
@@ -113,7 +141,7 @@ class DSparkDrafter(DraftVocabMixin, ParallelBackbone, TrainableDrafter):
         if not states:
             return empty_proposal(0, self.block_size)
         anchors = anchors.to(self.device)
-        block = self.draft_block(states, anchors)
+        block = self.draft_block(states, anchors)  # projects pending context first
         temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
         uniforms = draw_uniforms(generators, self.block_size, self.device)
         tokens, probs = self.sample(block, anchors, temperatures, uniforms)
@@ -125,10 +153,12 @@ class DSparkDrafter(DraftVocabMixin, ParallelBackbone, TrainableDrafter):
         )
 
     def truncate(self, state: DSparkState, num_context: int) -> None:  # noqa: D102
+        self.project_pending([state])
         state.kv.truncate(num_context)
 
     def release(self, state: DSparkState) -> None:  # noqa: D102
         state.kv = self.new_context_kv()
+        state.pending.clear()
 
     def _draft_vocab_changed(self) -> None:
         """The Markov transition's W2 rows of the draft vocabulary (see DraftVocabMixin)."""
@@ -140,6 +170,7 @@ class DSparkDrafter(DraftVocabMixin, ParallelBackbone, TrainableDrafter):
     # ------------------------------------------------------------ stages
     def draft_block(self, states: list[DSparkState], anchors: torch.Tensor) -> DraftBlock:
         """Parallel stage: one backbone pass over [anchor, mask x G-1] per request."""
+        self.project_pending(states)
         ids = torch.full((len(states), self.block_size), self.config.mask_token_id, dtype=torch.int64)
         ids[:, 0] = anchors.cpu()
         embeds = self.vocab.embed(ids.to(self.device), self.param_dtype)
