@@ -253,6 +253,9 @@ def test_shipped_default_drafter_is_complete_and_small():
     record = config["dspark_weights"]
     assert record["bytes"] == weights.stat().st_size
     assert record["sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+    if config.get("draft_vocab_size"):  # its token ranking ships beside it and covers the draft vocabulary
+        ranking = checkpoint.read_draft_vocab(folder)
+        assert ranking is not None and ranking.numel() >= config["draft_vocab_size"]
 
 
 def test_draft_vocabulary_round_trip_and_refusals(tmp_path):
