@@ -83,8 +83,9 @@ def _time_drafter(
     new_hidden = [torch.randn(accepted, len(drafter.tap_layers), drafter.target_config.hidden_size)] * batch
     new_tokens = [torch.zeros(accepted, dtype=torch.int64)] * batch
 
-    def observe():
+    def observe():  # buffer, then one batched projection (as the next propose does), then roll back
         drafter.observe(states, new_tokens, new_hidden)
+        drafter.project_pending(states)
         for s in states:
             drafter.truncate(s, context)
 
