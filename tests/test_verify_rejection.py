@@ -207,3 +207,28 @@ def test_bad_inputs_are_rejected():
     with pytest.raises(ValueError, match="draft_probs"):
         verify(DraftProposal(proposal.draft_tokens, proposal.num_drafted, proposal.draft_probs[..., :5]),
                logits, lens, params, gens)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cutting_the_block_to_the_longest_verify_length_changes_nothing(seed):
+    """The engine verifies a proposal cut to W - 1 = the step's longest verify length,
+    with draw_block_size = G: same committed tokens, and every generator advanced by
+    the same G + 1 uniforms, as verifying the whole block."""
+    from dspark.engine.forward import StepBatch
+
+    block, vocab = 6, 20
+    proposal, logits, lens = _random_round(seed, len(MIXED), block, vocab, point_mass=False)
+    lens = lens.clamp(max=2)  # the longest verify length is at most 2 < G
+    width = int(lens.max()) + 1
+    batch = StepBatch(ragged=None, segments=[], entries=[], proposal=proposal, verify_lens=lens,
+                      logits_rows=torch.empty(0), block_size=block)
+    assert batch.verify_width == width and batch.verify_proposal().block_size == width - 1
+    gens_a = [torch.Generator().manual_seed(9 + i) for i in range(len(MIXED))]
+    gens_b = [torch.Generator().manual_seed(9 + i) for i in range(len(MIXED))]
+    whole = verify(proposal, logits, lens, MIXED, gens_a)
+    cut = verify(batch.verify_proposal(), logits[:, :width], lens, MIXED, gens_b, draw_block_size=block)
+    assert torch.equal(whole.num_accepted, cut.num_accepted)
+    assert [whole.committed(r) for r in range(len(MIXED))] == [cut.committed(r) for r in range(len(MIXED))]
+    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(gens_a, gens_b))
+    with pytest.raises(ValueError, match="draw_block_size"):
+        verify(proposal, logits, lens, MIXED, gens_b, draw_block_size=block - 1)

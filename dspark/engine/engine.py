@@ -188,11 +188,12 @@ class Engine:
             return None, out.tapped_hidden
         if not torch.isfinite(out.logits).all():
             raise RuntimeError("the target produced non-finite logits; check the model weights and dtype")
-        target_logits = batch.scatter_logits(out.logits)
+        target_logits = batch.scatter_logits(out.logits)  # [E, W, V]
         entries = batch.entries
         result = verify(
-            batch.proposal, target_logits, batch.verify_lens,
+            batch.verify_proposal(), target_logits, batch.verify_lens,
             [e.request.params for e in entries], [e.request.generator for e in entries],
+            draw_block_size=batch.proposal.block_size,
         )
         return result, out.tapped_hidden
 

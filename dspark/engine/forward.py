@@ -4,7 +4,8 @@ Each running request contributes one *segment* of consecutive tokens: a
 prefill chunk, or a decoding round's anchor plus its scheduled draft prefix.
 Segments that end in sampling (decode rounds, and the last prefill chunk of a
 request that has no output yet) are *verify entries*: the verifier sees their
-logits as rows of a padded [E, G + 1, V] tensor.
+logits as rows of a padded [E, W, V] tensor, W = 1 + the step's longest
+verify length (at most G + 1).
 """
 
 from __future__ import annotations
@@ -41,9 +42,28 @@ class StepBatch:
     logits_rows: torch.Tensor  # [M] int64 rows of the flattened batch whose logits we need
     block_size: int
 
+    @property
+    def verify_width(self) -> int:
+        """W = 1 + the longest verify length of this step (1 when nothing is verified)."""
+        return 1 + (int(self.verify_lens.max()) if self.verify_lens.numel() else 0)
+
+    def verify_proposal(self) -> DraftProposal:
+        """The proposal cut to W - 1 draft positions (views, no copies): the verifier then
+        works on [E, W, V] instead of [E, G + 1, V] (a gated step that verifies nothing
+        would otherwise pad and scan G + 1 vocabulary rows per request)."""
+        w, p = self.verify_width - 1, self.proposal
+        if w >= p.block_size:
+            return p
+        return DraftProposal(
+            draft_tokens=p.draft_tokens[:, :w],
+            num_drafted=p.num_drafted.clamp(max=w),
+            draft_probs=None if p.draft_probs is None else p.draft_probs[:, :w],
+            confidences=None if p.confidences is None else p.confidences[:, :w],
+        )
+
     def scatter_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """[M, V] logits -> [E, G + 1, V], zero padded past each verify length."""
-        out = logits.new_zeros(len(self.entries), self.block_size + 1, logits.shape[-1])
+        """[M, V] logits -> [E, W, V], zero padded past each verify length."""
+        out = logits.new_zeros(len(self.entries), self.verify_width, logits.shape[-1])
         row = 0
         for e, seg in enumerate(self.entries):
             n = seg.verify_len + 1

@@ -48,8 +48,14 @@ def verify(
     verify_lens: torch.Tensor,  # [R] int64, 0..num_drafted[r]
     params: list[SamplingParams],  # R entries
     generators: list[torch.Generator],  # R entries, one per request
+    draw_block_size: int | None = None,
 ) -> VerifyResult:
-    """Verify each request's first verify_lens[r] draft tokens against the target."""
+    """Verify each request's first verify_lens[r] draft tokens against the target.
+
+    draw_block_size: the drafter's block size when `proposal` was cut to the step's longest
+    verify length (the engine does, so that a step that verifies nothing does not pad its
+    logits to G + 1 rows). Each request still draws uniforms for the whole block, so its
+    generator advances the same way whatever else shares the step."""
     num_requests = proposal.num_requests
     if len(params) != num_requests or len(generators) != num_requests:
         raise ValueError(
@@ -60,7 +66,13 @@ def verify(
     if all(p.greedy for p in params):
         return verify_greedy(proposal, target_logits, verify_lens)
     greedy = [p.greedy for p in params]
-    uniforms = draw_uniforms(generators, greedy, proposal.block_size, target_logits.device)
+    g = proposal.block_size
+    full = g if draw_block_size is None else draw_block_size
+    if full < g:
+        raise ValueError(f"draw_block_size {full} is smaller than the proposal's block size {g}")
+    uniforms = draw_uniforms(generators, greedy, full, target_logits.device)
+    if full > g:  # acceptance uniforms of the verified positions, then the final-token uniform
+        uniforms = torch.cat([uniforms[:, :g], uniforms[:, -1:]], dim=1)
     return verify_with_uniforms(proposal, target_logits, verify_lens, sampling, uniforms)
 
 
