@@ -35,10 +35,13 @@ def goal_lines(goals: list[dict]) -> list[str]:
         if g["status"] == "not measurable":
             line += f" ({g['why']})"
         elif g["goal"] == "throughput":
-            worst = min(g["checks"], key=lambda c: c["margin"])
-            noise = "no noise estimate" if worst["noise"] is None else f"noise {worst['noise']:.1f}"
-            line += (f"; worst margin {worst['margin']:+.1f} tok/s at c={worst['concurrency']:g} "
-                     f"(vs {worst['best_baseline']}, {noise})")
+            failed = [c for c in g["checks"] if not c["met"]]
+            shown = failed or [min(g["checks"], key=lambda c: c["margin"])]
+            parts = []
+            for c in shown:
+                noise = "no noise estimate" if c["noise"] is None else f"noise {c['noise']:.1f}"
+                parts.append(f"{c['margin']:+.1f} tok/s at c={c['concurrency']:g} (vs {c['best_baseline']}, {noise})")
+            line += ("; missed: " if failed else "; worst margin ") + ", ".join(parts)
         else:
             line += f"; smallest ratio {g['min_ratio']:.2f}x over {len(g['checks'])} matched point(s)"
         lines.append(line)
