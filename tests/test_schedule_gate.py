@@ -58,6 +58,25 @@ def test_gate_drafts_only_when_the_best_drafted_step_beats_plain_decoding():
     assert gate.plain_rate(1) == pytest.approx(20.0)
 
 
+def test_gate_discounts_curves_by_the_acceptance_actually_realised():
+    """A head that promises 0.9 per token while the verifier accepts almost nothing stops
+    opening the gate once the outcomes outweigh the prior; honest outcomes keep it open."""
+    from dspark.schedule import ScheduleOutcome
+    from dspark.schedule.gate import PRIOR_TOKENS
+
+    liar, honest = DraftGate(_split(50, 5, 20)), DraftGate(_split(50, 5, 20))
+    for gate, accepted in ((liar, 0), (honest, 3)):
+        gate.record([_req("a", [0.99, 0.99, 0.99])])
+        assert gate.acceptance_ratio() == 1.0 and gate.wants_draft(["a"])
+        for _ in range(6):
+            gate.record([_req("a", [0.99, 0.99, 0.99])])
+            gate.observe_outcomes([ScheduleOutcome("a", 3, accepted)])
+            gate.observe_outcomes([ScheduleOutcome("gone", 3, 3)])  # no curve: ignored
+    assert liar.acceptance_ratio() < 0.25 and not liar.wants_draft(["a"])
+    assert honest.acceptance_ratio() == pytest.approx(1.0, abs=0.02) and honest.wants_draft(["a"])
+    assert PRIOR_TOKENS > 0
+
+
 def test_gate_probes_after_skipping_and_forgets_finished_requests():
     gate = DraftGate(_split(50, 5, 40), probe_every=3)
     gate.record([_req("a", [0.1])])

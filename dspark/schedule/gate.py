@@ -19,6 +19,11 @@ Lossless: the decision reads only past confidences and request ids, never
 the current draft tokens, so "no draft" is a plain decode step chosen
 independently of what would have been drafted.
 
+Calibration drift: the curves come from the confidence head, calibrated
+offline. The gate compares what they promised with what the verifier
+accepted on recent drafted rounds (decayed sums) and scales the curves by
+realised / predicted, so an over-confident head stops opening the gate.
+
 Exploration: curves only refresh when a step drafts. A request with no curve
 yet (it just started decoding) stands in with the mean of the last
 `history` curves recorded from any request (the asynchronous scheduler's
@@ -37,17 +42,21 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable, Sequence
 
-from dspark.schedule.base import ScheduleRequest, survival
+from dspark.schedule.base import ScheduleOutcome, ScheduleRequest, survival
+
+PRIOR_TOKENS = 4.0  # pseudo-count that keeps the acceptance ratio at 1 until outcomes accumulate
 from dspark.schedule.cost import SplitCost
 
 
 class DraftGate:
     """Per step: draft (True) or decode plainly (False); see the module docstring."""
 
-    def __init__(self, cost: SplitCost, probe_every: int = 32, history: int = 64) -> None:
+    def __init__(self, cost: SplitCost, probe_every: int = 32, history: int = 64, decay: float = 0.98) -> None:
         if probe_every < 1 or history < 1:
             raise ValueError(f"probe_every and history must be >= 1, got {probe_every} and {history}")
-        self.cost, self.probe_every = cost, probe_every
+        self.cost, self.probe_every, self.decay = cost, probe_every, decay
+        # accepted draft tokens realised vs predicted by the survival curves (decayed sums)
+        self.realised = self.predicted = 0.0
         self.curves: dict[Hashable, list[float]] = {}  # request id -> survival curve of its last drafted round
         self.recent: deque[list[float]] = deque(maxlen=history)  # last recorded curves of any request
         self.skipped = 0  # consecutive steps without drafting
@@ -69,8 +78,24 @@ class DraftGate:
             from dspark.schedule.prefix import _mean_curve
 
             proxy = _mean_curve(list(self.recent))
-        curves = [self.curves.get(i, proxy) for i in ids]
+        ratio = self.acceptance_ratio()
+        curves = [[min(1.0, a * ratio) for a in self.curves.get(i, proxy)] for i in ids]
         return self.drafted_rate(curves) > self.plain_rate(len(ids))
+
+    def acceptance_ratio(self) -> float:
+        """Realised / predicted accepted draft tokens over recent verified rounds (1 until
+        PRIOR_TOKENS have been predicted): the gate scales survival curves by it, so a
+        confidence head that promises more than the verifier accepts stops opening the gate."""
+        return (self.realised + PRIOR_TOKENS) / (self.predicted + PRIOR_TOKENS)
+
+    def observe_outcomes(self, outcomes: Sequence[ScheduleOutcome]) -> None:
+        """After verification: compare each request's accepted count with its curve's promise."""
+        for o in outcomes:
+            curve = self.curves.get(o.request_id)
+            if curve is None or o.verify_len <= 0:
+                continue
+            self.realised = self.decay * self.realised + o.num_accepted
+            self.predicted = self.decay * self.predicted + sum(curve[: o.verify_len])
 
     def plain_rate(self, requests: int) -> float:
         """Tokens per second of one plain decode step of `requests` requests."""

@@ -146,7 +146,9 @@ class PrefixScheduler:
         return batch.lengths(cands[:n])
 
     def commit(self, outcomes: list[ScheduleOutcome]) -> None:
-        """Stateless: nothing to learn from outcomes."""
+        """Algorithm 1 is stateless; the draft gate compares outcomes with the curves."""
+        if self.gate is not None:
+            self.gate.observe_outcomes(outcomes)
 
 
 class RetrospectivePrefixScheduler(PrefixScheduler):
@@ -258,7 +260,10 @@ class AsyncPrefixScheduler:
                            len(requests), early_stop=False)
 
     def commit(self, outcomes: list[ScheduleOutcome]) -> None:
-        """History is recorded in decide (it must not wait for verification)."""
+        """History is recorded in decide (it must not wait for verification); the draft gate
+        compares outcomes with the curves."""
+        if self.gate is not None:
+            self.gate.observe_outcomes(outcomes)
 
 
 def _mean_curve(curves: Sequence[Sequence[float]]) -> list[float]:
