@@ -75,6 +75,8 @@ def test_gate_discounts_curves_by_the_acceptance_actually_realised():
     assert liar.acceptance_ratio() < 0.25 and not liar.wants_draft(["a"])
     assert honest.acceptance_ratio() == pytest.approx(1.0, abs=0.02) and honest.wants_draft(["a"])
     assert PRIOR_TOKENS > 0
+    with pytest.raises(ValueError, match="decay"):
+        DraftGate(_split(50, 5, 20), decay=0.0)
 
 
 def test_gate_probes_after_skipping_and_forgets_finished_requests():

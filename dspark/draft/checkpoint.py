@@ -286,6 +286,26 @@ def load_drafter_folder(folder: str | Path, target, *, dtype: torch.dtype = torc
     return drafter
 
 
+def drafter_folder_config(folder: str | Path) -> dict:
+    """A learned drafter folder's config.json, checked to name a drafter kind and a vocabulary."""
+    folder = Path(folder)
+    cfg = _read_config(folder)
+    _kind_of(cfg, folder)
+    if "vocab_size" not in cfg:
+        raise CheckpointError(f"{folder / CONFIG_NAME} lacks 'vocab_size'; re-save the drafter")
+    return cfg
+
+
+def update_config(folder: str | Path, fields: dict) -> dict:
+    """Set `fields` in a drafter folder's config.json (atomically; the weights are untouched)
+    -> the new config."""
+    folder = Path(folder)
+    cfg = _read_config(folder)
+    cfg.update(fields)
+    _atomic_write(folder / CONFIG_NAME, (json.dumps(cfg, indent=2) + "\n").encode())
+    return cfg
+
+
 def read_draft_vocab(folder: str | Path) -> torch.Tensor | None:
     """The token ranking of a drafter folder's draft vocabulary (int64 [N], most frequent
     first), or None when the folder has none."""

@@ -43,9 +43,9 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 
 from dspark.schedule.base import ScheduleOutcome, ScheduleRequest, survival
-
-PRIOR_TOKENS = 4.0  # pseudo-count that keeps the acceptance ratio at 1 until outcomes accumulate
 from dspark.schedule.cost import SplitCost
+
+PRIOR_TOKENS = 4.0  # pseudo-count pulling the acceptance ratio towards 1 while few outcomes are in
 
 
 class DraftGate:
@@ -54,6 +54,8 @@ class DraftGate:
     def __init__(self, cost: SplitCost, probe_every: int = 32, history: int = 64, decay: float = 0.98) -> None:
         if probe_every < 1 or history < 1:
             raise ValueError(f"probe_every and history must be >= 1, got {probe_every} and {history}")
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
         self.cost, self.probe_every, self.decay = cost, probe_every, decay
         # accepted draft tokens realised vs predicted by the survival curves (decayed sums)
         self.realised = self.predicted = 0.0
@@ -83,8 +85,8 @@ class DraftGate:
         return self.drafted_rate(curves) > self.plain_rate(len(ids))
 
     def acceptance_ratio(self) -> float:
-        """Realised / predicted accepted draft tokens over recent verified rounds (1 until
-        PRIOR_TOKENS have been predicted): the gate scales survival curves by it, so a
+        """Realised / predicted accepted draft tokens over recent verified rounds, each side
+        plus PRIOR_TOKENS (so it starts at 1): the gate scales survival curves by it, so a
         confidence head that promises more than the verifier accepts stops opening the gate."""
         return (self.realised + PRIOR_TOKENS) / (self.predicted + PRIOR_TOKENS)
 

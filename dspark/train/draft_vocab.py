@@ -13,7 +13,6 @@ which in a BPE vocabulary roughly follows merge order (frequent merges first).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -52,14 +51,10 @@ def build_draft_vocab(
     """Rank the target's tokens on the training split of `data_dir`, store the ranking in the
     drafter folder and set its config's draft_vocab_size to `size` (0 keeps the whole
     vocabulary). The weights file is not touched. -> a report with coverages."""
-    from dspark.draft.checkpoint import CONFIG_NAME, _atomic_write, _kind_of, _read_config, write_draft_vocab
+    from dspark.draft.checkpoint import drafter_folder_config, update_config, write_draft_vocab
 
     folder = Path(drafter_dir)
-    cfg = _read_config(folder)
-    _kind_of(cfg, folder)  # a learned drafter folder, or a clear error
-    if "vocab_size" not in cfg:
-        raise UserError(f"{folder / CONFIG_NAME} lacks vocab_size; re-save the drafter")
-    vocab = int(cfg["vocab_size"])
+    vocab = int(drafter_folder_config(folder)["vocab_size"])
     if not 0 <= size <= vocab:
         raise UserError(f"--size must be in 0..{vocab} (0 = the whole vocabulary), got {size}")
     store = SequenceStore(data_dir)
@@ -80,8 +75,7 @@ def build_draft_vocab(
     }
     if write:
         write_draft_vocab(folder, ranking, counts)
-        cfg["draft_vocab_size"] = size
-        _atomic_write(folder / CONFIG_NAME, (json.dumps(cfg, indent=2) + "\n").encode())
+        update_config(folder, {"draft_vocab_size": size})
     return report
 
 

@@ -244,7 +244,8 @@ class Trainer:
             raise UserError(f"{folder} is at step {facts['step']}, past optim.total_steps = "
                             f"{now['optim']['total_steps']}; raise total_steps or set a new [run] out_dir")
         if saved["optim"]["total_steps"] != now["optim"]["total_steps"] and self.dist.rank == 0:
-            print(f"dspark train: extending the run from {saved['optim']['total_steps']} to "
+            verb = "extending" if now["optim"]["total_steps"] > saved["optim"]["total_steps"] else "shortening"
+            print(f"dspark train: {verb} the run from {saved['optim']['total_steps']} to "
                   f"{now['optim']['total_steps']} steps; the learning rate follows the new schedule")
         self.step = int(facts["step"])
         if not ckpt.load_rng(folder, self.dist.rank) or facts["world"] != self.dist.world:
