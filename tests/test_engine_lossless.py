@@ -59,18 +59,20 @@ def _exact_joint(target, params: SamplingParams) -> torch.Tensor:
     return joint
 
 
-def _engine_samples(target, drafter, policy: str, params: SamplingParams, num_samples: int = SAMPLES) -> torch.Tensor:
+def _engine_samples(
+    target, drafter, policy: str, params: SamplingParams, num_samples: int = SAMPLES, batch: int = BATCH
+) -> torch.Tensor:
     # flat up to about two tokens per request, steep after: the schedulers verify part of each block
     cost = CostTable({1: 0.010, 512: 0.020, 1024: 0.024, 1536: 0.040, 4096: 0.300})
     engine = Engine(
         target, drafter, build_policy(policy, block_size=drafter.block_size, cost=cost, threshold=0.4),
-        EngineConfig(max_running=BATCH, max_seq_len=32, kv_budget_tokens=BATCH * 32, max_prefill_tokens=BATCH * 8),
+        EngineConfig(max_running=batch, max_seq_len=32, kv_budget_tokens=batch * 32, max_prefill_tokens=batch * 8),
     )
     out, verified, rounds = [], 0, 0
-    for start in range(0, num_samples, BATCH):
+    for start in range(0, num_samples, batch):
         ids = [
             engine.add_request(PROMPT, SamplingParams(**{**params.__dict__, "seed": start + i}))
-            for i in range(BATCH)
+            for i in range(batch)
         ]
         while engine.has_work():
             engine.step()
@@ -157,6 +159,25 @@ def test_draft_vocabulary_is_lossless(kind, cfg):
     result = chi_square(samples, _exact_joint(target, params), VOCAB)
     assert result.p_value > ALPHA, result
     assert drafter.draft_ids.tolist() == [0, 1, 3, 4, 6]  # the first 5 ranked, sorted
+
+
+def test_engine_with_cpu_kernels_matches_target_distribution():
+    """The target's fast CPU matmuls (oneDNN copies for 2-16 rows, a column-major head for one
+    row) in the loop: 4 requests at a time, so every verification forward has at most 16 rows
+    and runs on them."""
+    from dspark.models.cpu_kernels import cpu_kernels_available, enable_cpu_kernels
+
+    if not cpu_kernels_available():
+        pytest.skip("torch built without oneDNN")
+    target = _flat_target()
+    assert enable_cpu_kernels(target)
+    drafter = BigramDrafter(VOCAB, block_size=3, seed=4, sharpness=1.5)
+    params = SamplingParams(temperature=1.0, max_new_tokens=NUM_TOKENS + 1, ignore_eos=True)
+    samples = _engine_samples(target, drafter, "fixed", params, num_samples=2048, batch=4)
+    served = target.model.layers[0].mlp.down_proj.cpu_kernel.fast_calls
+    assert served >= 2048 // 4, served  # at least one verification forward per batch took the fast path
+    result = chi_square(samples, _exact_joint(target, params), VOCAB)
+    assert result.p_value > ALPHA, result
 
 
 def test_engine_test_rejects_misreported_draft_probabilities():

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from dspark.models.cpu_kernels import cpu_kernels_available
 from dspark.models.loading import LoadedTarget, load_target, read_target_config
 from dspark.types import RaggedBatch
 
@@ -83,25 +84,39 @@ def time_lean(
     return timings
 
 
+def _projections(model) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
+    """(x -> x @ W.T, in_features) for every weight matrix of a forward, as the forward computes
+    it: through the module's CPU kernel when it has one, else through `linear`."""
+    from dspark.models.layers import linear
+
+    def product(module: object, weight: torch.Tensor, kernel_name: str):
+        kernel = getattr(module, "__dict__", {}).get(kernel_name)
+        return (kernel if kernel is not None else lambda x: linear(x, weight)), weight.shape[1]
+
+    out = []
+    for layer in model.model.layers:
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            out.append(product(m, m.weight, "cpu_kernel"))
+    out.append(product(model, model.lm_head_weight, "head_kernel"))
+    return out
+
+
 def time_matmuls_only(
     target: LoadedTarget, batch: int, new_tokens: list[int], repeats: int, warmup: int, clock: str
 ) -> dict[int, float]:
     """Median ms of just the weight matmuls of one forward (every projection of every layer and
-    the LM head, over batch x q rows, through the runtime's own `linear`): the floor a forward
-    cannot go below while it reads these weights, whatever the rest of the runtime does."""
-    from dspark.models.layers import linear
-
-    model = target.model
-    weights = [p for name, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name]
-    weights.append(model.lm_head_weight)
+    the LM head, over batch x q rows, computed as the runtime computes them): the floor a
+    forward cannot go below with these kernels, whatever the rest of the runtime does."""
+    products = _projections(target.model)
+    dtype = target.model.dtype
     timings = {}
     for q in new_tokens:
-        rows = {w.shape[1]: torch.randn(batch * q, w.shape[1], dtype=w.dtype) for w in weights}
+        rows = {n: torch.randn(batch * q, n, dtype=dtype) for n in {n for _, n in products}}
 
         def step() -> None:
             with torch.inference_mode():
-                for w in weights:
-                    linear(rows[w.shape[1]], w)
+                for product, n in products:
+                    product(rows[n])
 
         timings[q] = _median_ms(step, repeats, warmup, clock)
     return timings
@@ -180,15 +195,19 @@ def _run_cases(
 ) -> dict:
     timings: list[DecodeTiming] = []
     folder = None
-    for dtype in dtypes:
-        loaded = load_target(target, home=home, dtype=dtype)
+    variants = [(dtype, True) for dtype in dtypes]
+    if torch.float32 in dtypes and cpu_kernels_available():  # the runtime without its CPU kernels
+        variants.insert(dtypes.index(torch.float32) + 1, (torch.float32, False))
+    for dtype, kernels in variants:
+        loaded = load_target(target, home=home, dtype=dtype, cpu_kernels=kernels)
         folder = loaded.path
         name = str(dtype).removeprefix("torch.")
+        suffix = "" if kernels or dtype != torch.float32 else ", CPU kernels off"
         for batch, qs in _by_batch(cases).items():
             for q, ms in time_lean(loaded, batch, qs, context, repeats, warmup, clock).items():
-                timings.append(DecodeTiming("dspark", name, batch, q, ms))
+                timings.append(DecodeTiming("dspark" + suffix, name, batch, q, ms))
             for q, ms in time_matmuls_only(loaded, batch, qs, repeats, warmup, clock).items():
-                timings.append(DecodeTiming("matmuls only", name, batch, q, ms))
+                timings.append(DecodeTiming("matmuls only" + suffix, name, batch, q, ms))
         del loaded
     if include_transformers:
         from transformers import AutoModelForCausalLM

@@ -115,7 +115,7 @@ def hardware_id(device: torch.device | str = "cpu") -> str:
 
 # bumped when a change to the runtime or the drafters changes step times, so that profiles
 # cached by an older dspark are measured again instead of reused
-RUNTIME_REVISION = 2
+RUNTIME_REVISION = 3
 
 
 def profile_key(
@@ -316,7 +316,8 @@ def profile_engine(
     dtype = next(target.parameters()).dtype
     drafter_id = drafter_id or drafter.name
     extra = {"block_size": drafter.block_size, "tap_layers": list(drafter.tap_layers),
-             "context": "passage" if tokenizer is not None else "pseudo-text", "runtime": RUNTIME_REVISION}
+             "context": "passage" if tokenizer is not None else "pseudo-text", "runtime": RUNTIME_REVISION,
+             "cpu_kernels": "head_kernel" in target.__dict__}
     config = getattr(drafter, "config", None)
     for field in ("draft_vocab_size", "transition_top_k"):  # drafter settings that change D(R)
         if hasattr(config, field):

@@ -2,8 +2,9 @@
 runtime and the drafters (whose layers have the target family's shape).
 
 Linear layers compute `x @ W.T` through `linear()`: `F.linear`, except for
-2-3 input rows, where its MKL path is slow on CPU and `W @ x.T` is used
-instead (see the notes in docs/BENCHMARKS.md and docs/DRAFTING.md).
+2-3 input rows and a row-major weight, where its MKL path is slow on CPU and
+`W @ x.T` is used instead (see the notes in docs/BENCHMARKS.md and
+docs/DRAFTING.md). The target's own fast CPU paths are in `cpu_kernels.py`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from torch import nn
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight.T (+ bias) for x [..., in], weight [out, in]."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if not 2 <= rows <= 3:
+    if not 2 <= rows <= 3 or not weight.is_contiguous():  # W @ x.T is very slow on a column-major W
         return F.linear(x, weight, bias)
-    y = (weight @ x.reshape(-1, x.shape[-1]).T).T.reshape(*x.shape[:-1], weight.shape[0])
+    # contiguous: a transposed [rows, out] result makes the next matmul that reads it slow
+    y = (weight @ x.reshape(-1, x.shape[-1]).T).T.contiguous().reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 
 

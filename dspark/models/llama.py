@@ -33,6 +33,14 @@ from dspark.types import RaggedBatch, TargetOutput
 
 
 
+def _project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x @ module.weight.T (+ bias), through the module's CPU kernel when it has one."""
+    kernel = module.__dict__.get("cpu_kernel")
+    if kernel is not None:
+        return kernel(x, module.bias)
+    return linear(x, module.weight, module.bias)
+
+
 def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """RMSNorm as one fused op (same float32 result as `RMSNorm.forward`)."""
     return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
@@ -109,14 +117,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, plan: AttentionPlan, cache: KVCache, layer: int) -> torch.Tensor:
         """x [N, D] -> attention output [N, D]; writes the new keys/values into `cache`."""
         n, h, hkv, hd = x.shape[0], self.heads, self.kv_heads, self.head_dim
-        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias).view(n, h + 2 * hkv, hd)
+        qkv = _project(self.qkv_proj, x).view(n, h + 2 * hkv, hd)
         qk = qkv[:, : h + hkv]
         if self.q_norm is not None:
             qk = torch.cat([_norm(self.q_norm, qk[:, :h]), _norm(self.k_norm, qk[:, h:])], dim=1)
         qk = _rope(qk, plan)  # [N, H + Hkv, hd]
         cache.write(layer, plan.write_index, qk[:, h:].reshape(-1, hd), qkv[:, h + hkv :].reshape(-1, hd))
         out = _ragged_attention(qk[:, :h], cache, layer, plan, hkv)  # [N, H * hd]
-        return linear(out, self.o_proj.weight, self.o_proj.bias)
+        return _project(self.o_proj, out)
 
 
 def _rope(x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
@@ -172,9 +180,9 @@ class MLP(nn.Module):
         _split_rows(state, prefix, MLP._names, module.gate_up_proj.sizes, "gate_up_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_proj.weight)
+        gate_up = _project(self.gate_up_proj, x)
         gate, up = gate_up[..., : self.inner], gate_up[..., self.inner :]
-        return linear(F.silu(gate) * up, self.down_proj.weight)
+        return _project(self.down_proj, F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -217,6 +225,15 @@ class TargetModel(nn.Module):
         self.model = Backbone(config)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_load_state_dict_pre_hook(self._drop_tied_head)
+        self.register_state_dict_post_hook(self._contiguous_state)
+
+    @staticmethod
+    def _contiguous_state(module, state, prefix, *args) -> None:
+        """Weights re-laid column-major for the CPU kernels leave the state dict row-major
+        (as checkpoints store them, and as safetensors requires)."""
+        for key, value in state.items():
+            if key.startswith(prefix) and not value.is_contiguous():
+                state[key] = value.contiguous()
 
     def _drop_tied_head(self, module, state, prefix, *args) -> None:
         if self.config.tie_word_embeddings:
@@ -239,7 +256,10 @@ class TargetModel(nn.Module):
         """LM head: last_hidden [..., D] (final-normed) -> logits [..., V] float32."""
         h = last_hidden.to(self.dtype)
         vocab = self.lm_head_weight.shape[0]
-        return linear(h.reshape(-1, h.shape[-1]), self.lm_head_weight).float().reshape(*h.shape[:-1], vocab)
+        kernel = self.__dict__.get("head_kernel")
+        rows = h.reshape(-1, h.shape[-1])
+        logits = kernel(rows) if kernel is not None else linear(rows, self.lm_head_weight)
+        return logits.float().reshape(*h.shape[:-1], vocab)
 
     def new_cache(self, max_slots: int, max_seq_len: int) -> KVCache:
         """A KV cache shaped for this model, in the model's dtype."""

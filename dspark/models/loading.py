@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from dspark.errors import CheckpointError
 from dspark.models.config import TargetConfig
+from dspark.models.cpu_kernels import enable_cpu_kernels
 from dspark.models.embedded import ensure_embedded_target
 from dspark.models.llama import TargetModel
 
@@ -40,11 +41,18 @@ def load_target(
     *,
     home: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
+    cpu_kernels: bool = True,
 ) -> LoadedTarget:
-    """Load a target folder; `path=None` loads the embedded SmolLM2 (converting it once)."""
+    """Load a target folder; `path=None` loads the embedded SmolLM2 (converting it once).
+
+    cpu_kernels: give a float32 model the fast small-row CPU matmuls of
+    `dspark.models.cpu_kernels` (about twice the weights' memory; `DSPARK_CPU_KERNELS=0`
+    also turns them off). Pass False for a model that will move to a GPU."""
     folder = ensure_embedded_target(home) if path is None else Path(path).expanduser()
     config = read_target_config(folder)
     model = load_target_model(folder, config, dtype)
+    if cpu_kernels:
+        enable_cpu_kernels(model)
     return LoadedTarget(model=model, tokenizer=load_tokenizer(folder), config=config, name=folder.name, path=folder)
 
 

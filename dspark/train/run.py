@@ -95,7 +95,7 @@ def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int
 
     cfg = load_config(config_path)
     info = init_distributed()
-    target = load_target(cfg.target.path or None)
+    target = load_target(cfg.target.path or None, cpu_kernels=info.device.type == "cpu")
     model = target.model.to(info.device).eval()
     store = SequenceStore(cfg.data.dir)
     _check_data(store, target)
