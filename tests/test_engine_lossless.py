@@ -162,13 +162,12 @@ def test_draft_vocabulary_is_lossless(kind, cfg):
 
 
 def test_engine_with_cpu_kernels_matches_target_distribution():
-    """The target's fast CPU matmuls (oneDNN copies for 2-16 rows, a column-major head for one
-    row) in the loop: 4 requests at a time, so every verification forward has at most 16 rows
-    and runs on them."""
+    """The target's small-row CPU kernel (csrc/rowgemm.c, 1-32 rows) in the loop: 4 requests at
+    a time, so every decode and verification forward has at most 16 rows and runs on it."""
     from dspark.models.cpu_kernels import cpu_kernels_available, enable_cpu_kernels
 
     if not cpu_kernels_available():
-        pytest.skip("torch built without oneDNN")
+        pytest.skip("the CPU kernel is unavailable here")
     target = _flat_target()
     assert enable_cpu_kernels(target)
     drafter = BigramDrafter(VOCAB, block_size=3, seed=4, sharpness=1.5)

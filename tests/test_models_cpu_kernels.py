@@ -1,53 +1,72 @@
-"""The target's fast CPU matmuls (dspark.models.cpu_kernels): same function as F.linear up to
-float32 rounding, at every row count, and never stale after the weights change."""
+"""The target's small-row CPU matmul kernel (dspark/models/csrc/rowgemm.c through
+dspark.models.cpu_kernels): the same function as F.linear up to float32 rounding at every row
+count, row results independent of the other rows, never stale after the weights change, and a
+clear 'off' (never a crash) when it cannot be built."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
 from dspark.models import cpu_kernels
-from dspark.models.cpu_kernels import CpuKernel, disable_cpu_kernels, enable_cpu_kernels
+from dspark.models.cpu_kernels import CpuKernel, disable_cpu_kernels, enable_cpu_kernels, load_rowgemm
 from dspark.models.tiny import tiny_state_dict, tiny_target
 from dspark.types import RaggedBatch
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_kernels_available(), reason="torch built without oneDNN")
+needs_kernel = pytest.mark.skipif(not cpu_kernels.cpu_kernels_available(), reason=cpu_kernels.cpu_kernels_status())
 
 
-@pytest.mark.parametrize("one_row_copy", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 17, 40])
-def test_kernel_matches_f_linear(rows: int, one_row_copy: bool) -> None:
+def _kernel(weight: torch.Tensor) -> CpuKernel:
+    return CpuKernel(weight, cpu_kernels._rowgemm()[0])
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 31, 32, 33, 70])
+@pytest.mark.parametrize("shape", [(96, 48), (61, 37), (8, 8), (3, 5)])  # multiples of 8 or not
+def test_kernel_matches_f_linear(rows: int, shape: tuple[int, int]) -> None:
     gen = torch.Generator().manual_seed(rows)
-    weight, bias = torch.randn(96, 48, generator=gen), torch.randn(96, generator=gen)
-    x = torch.randn(rows, 48, generator=gen)
-    kernel = CpuKernel(weight, one_row_copy=one_row_copy)
+    weight, bias = torch.randn(*shape, generator=gen), torch.randn(shape[0], generator=gen)
+    x = torch.randn(rows, shape[1], generator=gen)
+    kernel = _kernel(weight)
     torch.testing.assert_close(kernel(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kernel(x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
-    assert kernel(x.view(1, rows, 48)).shape == (1, rows, 96)
+    assert kernel(x.view(1, rows, shape[1])).shape == (1, rows, shape[0])
+    assert kernel.fast_calls == (3 if rows <= cpu_kernels.MAX_ROWS else 0)
 
 
-def test_kernel_steps_aside_when_its_weight_changes() -> None:
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_the_other_rows() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(200, 72, generator=gen), torch.randn(32, 72, generator=gen)
+    kernel = _kernel(weight)
+    alone = torch.cat([kernel(x[i : i + 1]) for i in range(32)])
+    for rows in (2, 3, 8, 9, 17, 32):
+        assert torch.equal(kernel(x[:rows]), alone[:rows]), rows
+
+
+@needs_kernel
+def test_kernel_reads_strided_inputs_and_steps_aside_when_its_weight_changes() -> None:
     weight = torch.randn(64, 32)
-    kernel = CpuKernel(weight, one_row_copy=True)
-    x = torch.randn(4, 32)
+    kernel = _kernel(weight)
+    x = torch.randn(32, 4).T  # a transposed (non-contiguous) [4, 32] input
+    torch.testing.assert_close(kernel(x), F.linear(x, weight))
     weight.mul_(-2.0)  # in place: the packed copy is now stale
     torch.testing.assert_close(kernel(x), F.linear(x, weight))
-    torch.testing.assert_close(kernel(x[:1]), F.linear(x[:1], weight))
+    assert kernel.fast_calls == 1
 
 
 def _forward_logits(model, seq: list[int], verify: list[int]) -> list[torch.Tensor]:
-    """Logits of a prefill, one decode step and one verification forward of 5 tokens."""
+    """Logits of a prefill, one decode step and one verification forward."""
     cache = model.new_cache(1, 64)
     slot = cache.allocate()
     outs = []
     for chunk in (seq, verify[:1], verify[1:]):
-        batch = RaggedBatch(torch.tensor(chunk), [slot], [len(chunk)])
-        outs.append(model(batch, cache).logits)
+        outs.append(model(RaggedBatch(torch.tensor(chunk), [slot], [len(chunk)]), cache).logits)
     return outs
 
 
+@needs_kernel
 @pytest.mark.parametrize("family,tied", [("llama", True), ("llama", False), ("qwen3", False)])
 def test_model_with_kernels_matches_model_without(family: str, tied: bool) -> None:
     plain = tiny_target(3, family=family, tie_word_embeddings=tied)
@@ -57,9 +76,11 @@ def test_model_with_kernels_matches_model_without(family: str, tied: bool) -> No
     for a, b in zip(_forward_logits(plain, seq, verify), _forward_logits(fast, seq, verify)):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert fast.head_kernel.fast_calls > 0
 
 
-def test_reloaded_weights_are_used_not_the_stale_kernels() -> None:
+@needs_kernel
+def test_reloaded_weights_are_used_not_the_stale_copies() -> None:
     model = tiny_target(0)
     enable_cpu_kernels(model)
     other = tiny_target(9)
@@ -69,40 +90,52 @@ def test_reloaded_weights_are_used_not_the_stale_kernels() -> None:
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
-def test_state_dict_of_a_model_with_kernels_saves_and_round_trips(tmp_path) -> None:
-    model = tiny_target(4)
-    enable_cpu_kernels(model)
-    state = model.state_dict()
-    reference = tiny_target(4).state_dict()
-    assert state.keys() == reference.keys()
-    for name, value in state.items():
-        assert value.is_contiguous(), name  # safetensors refuses strided tensors
-        assert torch.equal(value, reference[name]), name
-    save_file(state, str(tmp_path / "model.safetensors"))
-    assert load_file(str(tmp_path / "model.safetensors")).keys() == reference.keys()
-
-
-def test_bfloat16_or_switched_off_models_get_no_kernels(monkeypatch) -> None:
-    assert not enable_cpu_kernels(tiny_target(0).to(torch.bfloat16))
-    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
-    model = tiny_target(0)
-    assert not enable_cpu_kernels(model)
-    assert "head_kernel" not in model.__dict__
-
-
+@needs_kernel
 def test_converting_a_model_with_kernels_to_bfloat16_still_runs() -> None:
     model = tiny_target(0)
     enable_cpu_kernels(model)
-    reference = tiny_target(0).to(torch.bfloat16)
-    model = model.to(torch.bfloat16)
+    model, reference = model.to(torch.bfloat16), tiny_target(0).to(torch.bfloat16)
     seq, verify = [1, 2, 3, 4], [5, 6, 7]
     for a, b in zip(_forward_logits(reference, seq, verify), _forward_logits(model, seq, verify)):
-        torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
+        assert torch.equal(a, b)  # the kernels step aside: the very same bfloat16 computation
 
 
+@needs_kernel
 def test_disable_removes_every_kernel() -> None:
     model = tiny_target(0)
     enable_cpu_kernels(model)
     disable_cpu_kernels(model)
     assert "head_kernel" not in model.__dict__
     assert not any("cpu_kernel" in m.__dict__ for m in model.modules())
+
+
+def test_no_compiler_or_switch_off_means_plain_f_linear(tmp_path, monkeypatch) -> None:
+    fn, why = load_rowgemm(cc=str(tmp_path / "no-such-cc"), home=tmp_path)
+    assert fn is None and "off" in why
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    fn, why = load_rowgemm(home=tmp_path)
+    assert fn is None and cpu_kernels.ENV_SWITCH in why
+    monkeypatch.setattr(cpu_kernels, "_rowgemm", lambda: (None, why))
+    model = tiny_target(0)
+    assert not enable_cpu_kernels(model) and "head_kernel" not in model.__dict__
+    assert not enable_cpu_kernels(tiny_target(0).to(torch.bfloat16))
+
+
+def test_a_broken_compiler_is_reported_not_raised(tmp_path) -> None:
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\necho 'cc: internal error' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    fn, why = load_rowgemm(cc=str(fake), home=tmp_path)
+    assert fn is None and "failed" in why and "internal error" in why
+    assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-written is left to load
+
+
+@needs_kernel
+def test_kernel_builds_once_into_the_dspark_home(tmp_path) -> None:
+    fn, why = load_rowgemm(home=tmp_path)
+    assert fn is not None, why
+    built = list((tmp_path / "kernels").glob("rowgemm-*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    assert load_rowgemm(home=tmp_path)[0] is not None
+    assert built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from dspark.models.cpu_kernels import cpu_kernels_available
+from dspark.models.cpu_kernels import cpu_kernels_available, cpu_kernels_status
 from dspark.models.loading import LoadedTarget, load_target, read_target_config
 from dspark.types import RaggedBatch
 
@@ -225,6 +225,7 @@ def _run_cases(
         "repeats": repeats,
         "threads": torch.get_num_threads(),
         "clock": clock,
+        "cpu_kernels": cpu_kernels_status(),
         "timings": [asdict(t) for t in timings],
     }
 
@@ -238,7 +239,7 @@ def format_table(result: dict) -> str:
     header = "| runtime | dtype | " + " | ".join(f"batch {b}, q={q}" for b, q in cases) + " |"
     lines = [
         f"ms per target forward ({result['clock']} clock), context {result['context']}, "
-        f"median of {result['repeats']}, {result['threads']} threads",
+        f"median of {result['repeats']}, {result['threads']} threads; CPU kernel {result.get('cpu_kernels', 'n/a')}",
         header,
         "|" + "---|" * (2 + len(cases)),
     ]

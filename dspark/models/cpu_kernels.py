@@ -1,118 +1,182 @@
 """Faster float32 matmuls for the target's small forwards on a CPU.
 
 A decode step multiplies one activation row by every weight matrix, a
-verification step 2-16 rows: both are bound by reading the weights, yet the
-kernels `F.linear` reaches through MKL stay far from that bound for these
-shapes on the CPUs measured here (2-core AMD EPYC, AVX2, torch 2.13;
-docs/BENCHMARKS.md):
+verification step a few rows per request: both are bound by reading the
+weights from memory, yet the kernels `F.linear` reaches through MKL stay far
+from that bound for such shapes on the CPUs measured here (2-core AMD EPYC
+Zen 3, AVX2, torch 2.13; docs/BENCHMARKS.md): a 2-row product costs about
+twice a 1-row one, 3 rows more than 4.
 
-* one row: MKL's matrix-vector product reads a weight stored column-major
-  ([in, out] in memory) 25-40% faster than the row-major [out, in] one;
-* 2-16 rows: oneDNN's matmul on a weight reordered once into its own blocked
-  layout is 1.3-2x faster than MKL's, whose small-row paths also cost more for
-  2-3 rows than for 4.
+`csrc/rowgemm.c` is a small AVX2/FMA kernel for 1-32 rows that reads each
+weight once per call from a copy packed in panels of 8 outputs (one
+contiguous stream), with the partial sums of up to 8 rows in registers. On
+the embedded target its products for 1, 2, 4 and 8 rows cost about 28, 32,
+36 and 56 ms against 42, 80, 93 and 103 ms through `F.linear` (one thread).
+Each output is one FMA chain over the input index whatever the number of
+rows, so a row's result never depends on the other rows of the call.
 
-`enable_cpu_kernels(model)` re-lays every decoder-layer weight column-major in
-place (same values and shape, other strides: every reader still works) and
-gives each linear a `CpuKernel` holding a oneDNN copy for 2-16 rows. The LM
-head, tied to the token embeddings (which must stay row-major for lookups),
-gets a column-major copy for one row as well. Memory: about twice the weights.
+The kernel is compiled once with the system C compiler (`$CC`, else `cc`)
+into `<dspark home>/kernels/` on first use. Without a compiler, on a CPU
+without AVX2 and FMA, or with `DSPARK_CPU_KERNELS=0`, nothing changes: the
+model runs `F.linear` as before.
 
-A kernel answers only for float32 CPU inputs and only while its weight is the
-one it was built from: after `load_state_dict`, `.to()` or any in-place change
-it steps aside (`linear` computes the result), so it can make a forward slower,
+`enable_cpu_kernels(model)` gives each decoder-layer linear and the LM head a
+`CpuKernel` holding the packed copy (memory: about twice the weights). A
+kernel answers only for float32 CPU inputs and only while its weight is the
+one it packed: after `load_state_dict`, `.to()` or any in-place change it
+steps aside (`linear` computes the result), so it can make a forward slower,
 never wrong. Results differ from `F.linear` by float32 rounding only (another
 summation order), as `F.linear`'s own kernels differ between row counts.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import os
+import platform
+import shutil
+import subprocess
+from functools import lru_cache
+from pathlib import Path
 
 import torch
 
 from dspark.models.layers import linear
 
-PACKED_ROWS = (2, 16)  # row counts the oneDNN copy serves; others go through `linear`
-PACK_HINT_ROWS = 8  # the batch size oneDNN lays the copy out for (measured best for 2-16 rows)
-ENV_SWITCH = "DSPARK_CPU_KERNELS"  # "0" turns the kernels off (load_target's default)
+MAX_ROWS = 32  # row counts up to this go through the kernel; more rows are compute-bound: F.linear
+PANEL = 8  # outputs per packed panel (one AVX2 register of float32)
+ENV_SWITCH = "DSPARK_CPU_KERNELS"  # "0" turns the kernels off
+SOURCE = Path(__file__).parent / "csrc" / "rowgemm.c"
+# -O2, not -O3: gcc 12 at -O3 spills the accumulators to the stack on every iteration
+CFLAGS = ("-O2", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC")
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(cc: str, home: str | Path | None) -> Path:
+    """Compile csrc/rowgemm.c into the dspark home (once per source, flags and compiler)."""
+    from dspark.models.embedded import dspark_home
+
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    digest = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(CFLAGS), version]).encode()).hexdigest()[:16]
+    out = dspark_home(home) / "kernels" / f"rowgemm-{digest}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    done = subprocess.run([cc, *CFLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"{cc} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+    os.replace(tmp, out)
+    return out
+
+
+def load_rowgemm(cc: str | None = None, home: str | Path | None = None) -> tuple[object | None, str]:
+    """(the C function, "") or (None, why not). Compiles the kernel when needed."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None, f"off ({ENV_SWITCH}=0)"
+    if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() not in (
+        "AVX2", "AVX512"
+    ):
+        return None, "off (the kernel needs an x86-64 CPU with AVX2 and FMA)"
+    cc = cc or _compiler()
+    if cc is None:
+        return None, "off (no C compiler found: install gcc or set CC)"
+    try:
+        library = ctypes.CDLL(str(_build(cc, home)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        return None, f"off (building {SOURCE.name} failed: {err})"
+    fn = library.dspark_rowgemm
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+    fn.restype = None
+    return fn, ""
+
+
+@lru_cache(maxsize=1)
+def _rowgemm() -> tuple[object | None, str]:
+    return load_rowgemm()
+
+
+def cpu_kernels_status() -> str:
+    """One line for logs and benchmark headers: on, or off and why."""
+    fn, why = _rowgemm()
+    return f"on ({SOURCE.name}, 1-{MAX_ROWS} rows)" if fn is not None else why
 
 
 def cpu_kernels_available() -> bool:
-    """oneDNN is compiled into this torch and the switch is not off."""
-    return os.environ.get(ENV_SWITCH, "1") != "0" and torch.backends.mkldnn.is_available()
+    return _rowgemm()[0] is not None
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor | None:
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_HINT_ROWS)
-    except (RuntimeError, AttributeError):  # a torch built without the op
-        return None
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [ceil(out / 8), in, 8]: panel p holds outputs 8p..8p+7, zero-padded."""
+    out, n = weight.shape
+    panels = -(-out // PANEL)
+    padded = torch.zeros(panels * PANEL, n, dtype=torch.float32)
+    padded[:out] = weight.detach()
+    return padded.view(panels, PANEL, n).transpose(1, 2).contiguous()
 
 
 class CpuKernel:
-    """Fast paths for y = x @ weight.T (+ bias) over a fixed float32 CPU weight [out, in]."""
+    """y = x @ weight.T (+ bias) for a fixed float32 CPU weight [out, in], 1-32 rows in C."""
 
-    def __init__(self, weight: torch.Tensor, *, one_row_copy: bool) -> None:
-        self.weight = weight
-        self.packed = _pack(weight)
-        self.column_major = weight.detach().t().contiguous() if one_row_copy else None  # [in, out]
+    def __init__(self, weight: torch.Tensor, fn: object) -> None:
+        self.weight, self._fn = weight, fn
+        self.panels = pack_panels(weight)
         self._stamp = self._current_stamp()
-        self.fast_calls = 0  # products served by a fast path (the rest went through `linear`)
+        self.fast_calls = 0  # products the kernel computed (the rest went through `linear`)
 
     def _current_stamp(self) -> tuple[int, int]:
         return self.weight.data_ptr(), self.weight._version
 
-    def valid_for(self, x: torch.Tensor) -> bool:
-        return (
-            x.device.type == "cpu"
-            and x.dtype == torch.float32
-            and self.weight.dtype == torch.float32
-            and self._current_stamp() == self._stamp
-        )
-
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., in] -> [..., out]; falls back to `linear` whenever no fast path applies."""
-        rows = x.numel() // max(x.shape[-1], 1)
-        if not self.valid_for(x):
+        """x [..., in] -> [..., out]; falls back to `linear` whenever the kernel does not apply."""
+        out, n = self.weight.shape
+        rows = x.numel() // max(n, 1)
+        usable = (
+            1 <= rows <= MAX_ROWS
+            and x.device.type == "cpu"
+            and x.dtype == torch.float32
+            and self._current_stamp() == self._stamp
+            and (bias is None or bias.dtype == torch.float32)
+        )
+        if not usable:
             return linear(x, self.weight, bias)
-        flat = x.reshape(rows, x.shape[-1])
-        if rows == 1 and self.column_major is not None:
-            y = flat @ self.column_major
-            y = y if bias is None else y + bias
-        elif PACKED_ROWS[0] <= rows <= PACKED_ROWS[1] and self.packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.packed, bias, "none", [], "")
-        else:
-            return linear(x, self.weight, bias)
+        flat = x.reshape(rows, n).contiguous()
+        b = None if bias is None else bias.detach().contiguous()
+        y = torch.empty(rows, out, dtype=torch.float32)
+        self._fn(flat.data_ptr(), self.panels.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), rows, n, out)
         self.fast_calls += 1
-        return y.reshape(*x.shape[:-1], self.weight.shape[0])
+        return y.reshape(*x.shape[:-1], out)
 
 
-def _column_major_(param: torch.Tensor) -> None:
-    """Same values and shape, stored transposed: param.t() becomes contiguous."""
-    if param.dim() == 2 and not param.t().is_contiguous():
-        param.data = param.data.t().contiguous().t()
+def _linears(model) -> list:
+    return [
+        m
+        for layer in model.model.layers
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    ]
 
 
 def enable_cpu_kernels(model) -> bool:
-    """Give a float32 CPU `TargetModel` the fast small-row kernels (see the module doc).
+    """Give a float32 CPU `TargetModel` the small-row kernel (see the module doc).
 
-    Returns False, changing nothing, when the model is not float32 on the CPU or oneDNN is
-    unavailable (or `DSPARK_CPU_KERNELS=0`)."""
-    params = list(model.parameters())
-    if not cpu_kernels_available() or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
+    Returns False, changing nothing, when the model is not float32 on the CPU or the kernel is
+    unavailable (`cpu_kernels_status()` says why)."""
+    fn = _rowgemm()[0]
+    if fn is None or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in model.parameters()):
         return False
-    for layer in model.model.layers:
-        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            _column_major_(module.weight)
-            module.cpu_kernel = CpuKernel(module.weight, one_row_copy=False)
-    model.head_kernel = CpuKernel(model.lm_head_weight, one_row_copy=True)
+    for module in _linears(model):
+        module.cpu_kernel = CpuKernel(module.weight, fn)
+    model.head_kernel = CpuKernel(model.lm_head_weight, fn)
     return True
 
 
 def disable_cpu_kernels(model) -> None:
-    """Drop the kernels (the column-major weights stay; `F.linear` reads them directly)."""
-    for layer in model.model.layers:
-        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            module.__dict__.pop("cpu_kernel", None)
+    """Drop the kernels and their packed copies."""
+    for module in _linears(model):
+        module.__dict__.pop("cpu_kernel", None)
     model.__dict__.pop("head_kernel", None)

@@ -225,15 +225,6 @@ class TargetModel(nn.Module):
         self.model = Backbone(config)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_load_state_dict_pre_hook(self._drop_tied_head)
-        self.register_state_dict_post_hook(self._contiguous_state)
-
-    @staticmethod
-    def _contiguous_state(module, state, prefix, *args) -> None:
-        """Weights re-laid column-major for the CPU kernels leave the state dict row-major
-        (as checkpoints store them, and as safetensors requires)."""
-        for key, value in state.items():
-            if key.startswith(prefix) and not value.is_contiguous():
-                state[key] = value.contiguous()
 
     def _drop_tied_head(self, module, state, prefix, *args) -> None:
         if self.config.tie_word_embeddings:
