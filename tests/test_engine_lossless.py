@@ -161,20 +161,30 @@ def test_draft_vocabulary_is_lossless(kind, cfg):
     assert drafter.draft_ids.tolist() == [0, 1, 3, 4, 6]  # the first 5 ranked, sorted
 
 
-def test_engine_with_cpu_kernels_matches_target_distribution():
-    """The target's small-row CPU kernel (csrc/rowgemm.c, 1-32 rows) in the loop: 4 requests at
-    a time, so every decode and verification forward has at most 16 rows and runs on it."""
-    from dspark.models.cpu_kernels import cpu_kernels_available, enable_cpu_kernels
+@pytest.mark.parametrize("kind", ["bigram", "dspark"])
+def test_engine_with_cpu_kernels_matches_target_distribution(kind):
+    """The small-row CPU kernel (csrc/rowgemm.c, 1-32 rows) in the loop, in the target and (for
+    a learned drafter) in the drafter: 4 requests at a time, so every decode and verification
+    forward has at most 16 rows and runs on it."""
+    from dspark.draft.factory import build_drafter
+    from dspark.models.cpu_kernels import cpu_kernels_available, enable_cpu_kernels, enable_drafter_cpu_kernels
 
     if not cpu_kernels_available():
         pytest.skip("the CPU kernel is unavailable here")
     target = _flat_target()
     assert enable_cpu_kernels(target)
-    drafter = BigramDrafter(VOCAB, block_size=3, seed=4, sharpness=1.5)
+    if kind == "bigram":
+        drafter = BigramDrafter(VOCAB, block_size=3, seed=4, sharpness=1.5)
+    else:
+        drafter = build_drafter("dspark", target.config, target.embed_tokens, target.lm_head_weight, seed=3,
+                                block_size=3, markov_head_type="vanilla", markov_rank=4)
+        assert enable_drafter_cpu_kernels(drafter, target)
     params = SamplingParams(temperature=1.0, max_new_tokens=NUM_TOKENS + 1, ignore_eos=True)
     samples = _engine_samples(target, drafter, "fixed", params, num_samples=2048, batch=4)
     served = target.model.layers[0].mlp.down_proj.cpu_kernel.fast_calls
-    assert served >= 2048 // 4, served  # at least one verification forward per batch took the fast path
+    assert served >= 2048 // 4, served  # at least one verification forward per batch took the kernel
+    if kind == "dspark":
+        assert drafter.head_kernel.fast_calls >= 2048 // 4
     result = chi_square(samples, _exact_joint(target, params), VOCAB)
     assert result.p_value > ALPHA, result
 

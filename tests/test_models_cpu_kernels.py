@@ -139,3 +139,66 @@ def test_kernel_builds_once_into_the_dspark_home(tmp_path) -> None:
     mtime = built[0].stat().st_mtime_ns
     assert load_rowgemm(home=tmp_path)[0] is not None
     assert built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
+
+
+# ---------------------------------------------------------------- drafters
+
+
+DRAFTERS = [
+    ("dspark", {"block_size": 4, "markov_head_type": "vanilla", "markov_rank": 8}),
+    ("dspark", {"block_size": 4, "markov_head_type": "rnn", "markov_rank": 8}),
+    ("dflash", {"block_size": 4}),
+    ("eagle3", {"block_size": 3}),
+    ("mtp", {}),
+]
+
+
+def _propose(drafter, target, draft_vocab: int):
+    from dspark.types import SamplingParams
+
+    if draft_vocab:
+        drafter.set_draft_vocab(torch.arange(target.config.vocab_size).flip(0), draft_vocab)
+    gen = torch.Generator().manual_seed(0)
+    t, d = len(drafter.tap_layers), target.config.hidden_size
+    states = [drafter.new_state() for _ in range(3)]
+    drafter.observe(states, [torch.randint(0, 60, (n,), generator=gen) for n in (5, 9, 7)],
+                    [torch.randn(n, t, d, generator=gen) for n in (5, 9, 7)])
+    params = [SamplingParams(temperature=1.0)] * 3
+    with torch.no_grad():
+        return drafter.propose(states, torch.tensor([3, 4, 5]), params, [torch.Generator().manual_seed(i) for i in range(3)])
+
+
+@needs_kernel
+@pytest.mark.parametrize("draft_vocab", [0, 40])
+@pytest.mark.parametrize("kind,cfg", DRAFTERS, ids=[f"{k}-{c.get('markov_head_type', '')}" for k, c in DRAFTERS])
+def test_drafter_with_kernels_proposes_what_it_proposes_without(kind: str, cfg: dict, draft_vocab: int) -> None:
+    from dspark.draft.factory import build_drafter
+    from dspark.models.cpu_kernels import enable_drafter_cpu_kernels
+
+    target = tiny_target(1, vocab_size=64)
+    plain = build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, seed=2, **cfg).eval()
+    fast = build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, seed=2, **cfg).eval()
+    enable_cpu_kernels(target)
+    assert enable_drafter_cpu_kernels(fast, target)
+    a, b = _propose(plain, target, draft_vocab), _propose(fast, target, draft_vocab)
+    assert torch.equal(a.draft_tokens, b.draft_tokens)
+    torch.testing.assert_close(b.draft_probs, a.draft_probs, rtol=1e-4, atol=1e-5)
+    if a.confidences is not None:
+        torch.testing.assert_close(b.confidences, a.confidences, rtol=1e-4, atol=1e-5)
+    served = [m.cpu_kernel.fast_calls for m in fast.modules() if "cpu_kernel" in m.__dict__]
+    assert sum(served) > 0 and fast.__dict__["head_kernel"].fast_calls > 0
+
+
+@needs_kernel
+def test_drafter_kernels_step_aside_for_training() -> None:
+    from dspark.draft.factory import build_drafter
+    from dspark.models.cpu_kernels import enable_drafter_cpu_kernels
+
+    target = tiny_target(1, vocab_size=64)
+    drafter = build_drafter("dflash", target.config, target.embed_tokens, target.lm_head_weight, seed=2, block_size=4)
+    enable_cpu_kernels(target)
+    assert enable_drafter_cpu_kernels(drafter, target)
+    layer = next(m for m in drafter.modules() if "cpu_kernel" in m.__dict__ and m.in_features > 8)
+    x = torch.randn(3, layer.in_features)
+    layer(x).sum().backward()  # would raise (no grad_fn) if the C kernel had computed it
+    assert layer.weight.grad is not None and layer.cpu_kernel.fast_calls == 0

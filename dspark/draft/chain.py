@@ -145,7 +145,7 @@ class ChainDrafter(DraftVocabMixin, nn.Module, TrainableDrafter):
                 return torch.cat(outs)
 
             hidden = self._step(hidden, tokens[:, None], (starts + k)[:, None], attend_fn)
-            p_k = temperature_probs(self.vocab.logits(self.norm(hidden[:, 0]), self.draft_lm_head), temperatures)
+            p_k = temperature_probs(self.head_logits(self.norm(hidden[:, 0])), temperatures)
             local = inverse_cdf(p_k, uniforms[:, k])
             tokens = self.draft_token_ids(local)
             draft_tokens[:, k], probs[:, k] = local, p_k

@@ -283,6 +283,10 @@ def load_drafter_folder(folder: str | Path, target, *, dtype: torch.dtype = torc
             drafter.set_draft_vocab(ranking, vocab_size)
         except UserError as exc:
             raise CheckpointError(f"{folder}: {exc}") from None
+    if "head_kernel" in getattr(target, "__dict__", {}):  # a target served with the CPU kernel
+        from dspark.models.cpu_kernels import enable_drafter_cpu_kernels
+
+        enable_drafter_cpu_kernels(drafter, target)
     return drafter
 
 

@@ -175,7 +175,7 @@ class DSparkDrafter(DraftVocabMixin, ParallelBackbone, TrainableDrafter):
         ids[:, 0] = anchors.cpu()
         embeds = self.vocab.embed(ids.to(self.device), self.param_dtype)
         hidden = self.block_hidden(embeds, [s.kv for s in states])
-        return DraftBlock(hidden=hidden, base_logits=self.vocab.logits(hidden, self.draft_lm_head))
+        return DraftBlock(hidden=hidden, base_logits=self.head_logits(hidden))
 
     def sample(
         self, block: DraftBlock, anchors: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor

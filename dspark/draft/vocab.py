@@ -58,6 +58,33 @@ class DraftVocabMixin:
             head = self.vocab.lm_head_weight
             self.draft_lm_head = head[self.draft_ids.to(head.device)].contiguous()
         self._draft_vocab_changed()
+        self.refresh_head_kernel()
+
+    def refresh_head_kernel(self) -> None:
+        """Rebuild the CPU kernel of the LM head in use, if this drafter has CPU kernels
+        (`dspark.models.cpu_kernels.enable_drafter_cpu_kernels`)."""
+        if "cpu_kernels_target" not in self.__dict__:
+            return
+        from dspark.models.cpu_kernels import CpuKernel, _rowgemm
+
+        self.__dict__.pop("head_kernel", None)
+        fn = _rowgemm()[0]
+        if fn is None:
+            return
+        if self.draft_lm_head is not None:
+            self.head_kernel = CpuKernel(self.draft_lm_head, fn)
+        else:
+            target = self.cpu_kernels_target  # drafting over the whole vocabulary: the target's head
+            shared = None if target is None else target.__dict__.get("head_kernel")
+            if shared is not None and shared.weight.data_ptr() == self.vocab.lm_head_weight.data_ptr():
+                self.head_kernel = shared
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] -> float32 logits over the draft vocabulary (all V tokens without one)."""
+        kernel = self.__dict__.get("head_kernel")
+        if kernel is not None:
+            return kernel(hidden).float()
+        return self.vocab.logits(hidden, self.draft_lm_head)
 
     def _draft_vocab_changed(self) -> None:
         """Hook for drafters with more vocabulary-sized weights (DSpark's Markov W2)."""

@@ -21,11 +21,13 @@ without AVX2 and FMA, or with `DSPARK_CPU_KERNELS=0`, nothing changes: the
 model runs `F.linear` as before.
 
 `enable_cpu_kernels(model)` gives each decoder-layer linear and the LM head a
-`CpuKernel` holding the packed copy (memory: about twice the weights). A
+`CpuKernel` holding the packed copy (memory: about twice the weights);
+`enable_drafter_cpu_kernels(drafter, model)` does the same for a drafter's
+linear layers and its (draft-vocabulary) LM head, for serving. A
 kernel answers only for float32 CPU inputs and only while its weight is the
 one it packed: after `load_state_dict`, `.to()` or any in-place change it
 steps aside (`linear` computes the result), so it can make a forward slower,
-never wrong. Results differ from `F.linear` by float32 rounding only (another
+never wrong. It also steps aside whenever autograd would need it (training). Results differ from `F.linear` by float32 rounding only (another
 summation order), as `F.linear`'s own kernels differ between row counts.
 """
 
@@ -142,6 +144,7 @@ class CpuKernel:
             and x.dtype == torch.float32
             and self._current_stamp() == self._stamp
             and (bias is None or bias.dtype == torch.float32)
+            and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))  # no autograd in C
         )
         if not usable:
             return linear(x, self.weight, bias)
@@ -180,3 +183,29 @@ def disable_cpu_kernels(model) -> None:
     for module in _linears(model):
         module.__dict__.pop("cpu_kernel", None)
     model.__dict__.pop("head_kernel", None)
+
+
+def enable_drafter_cpu_kernels(drafter, target=None) -> bool:
+    """Give a float32 CPU drafter the kernel on every `Linear` and on its LM head (the draft
+    vocabulary's rows, or the target's head kernel when it drafts over the whole vocabulary).
+    For serving: under autograd the kernels step aside. False (nothing changed) as above."""
+    from dspark.models.layers import Linear
+
+    fn = _rowgemm()[0]
+    if fn is None or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in drafter.parameters()):
+        return False
+    for module in drafter.modules():
+        if isinstance(module, Linear):
+            module.cpu_kernel = CpuKernel(module.weight, fn)
+    drafter.__dict__["cpu_kernels_target"] = target  # not `drafter.x = target`: that would register a submodule
+    if hasattr(drafter, "refresh_head_kernel"):
+        drafter.refresh_head_kernel()
+    return True
+
+
+def disable_drafter_cpu_kernels(drafter) -> None:
+    """Drop a drafter's kernels."""
+    for module in drafter.modules():
+        module.__dict__.pop("cpu_kernel", None)
+    drafter.__dict__.pop("cpu_kernels_target", None)
+    drafter.__dict__.pop("head_kernel", None)

@@ -25,9 +25,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose forward uses `linear()`; same parameter names as HF."""
+    """nn.Linear whose forward uses `linear()` (or the CPU kernel `dspark.models.cpu_kernels`
+    attached to it for serving); same parameter names as HF."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        kernel = self.__dict__.get("cpu_kernel")
+        if kernel is not None:
+            return kernel(x, self.bias)
         return linear(x, self.weight, self.bias)
 
 
