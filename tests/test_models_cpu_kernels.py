@@ -18,7 +18,7 @@ needs_kernel = pytest.mark.skipif(not cpu_kernels.cpu_kernels_available(), reaso
 
 
 def _kernel(weight: torch.Tensor) -> CpuKernel:
-    return CpuKernel(weight, cpu_kernels._rowgemm()[0])
+    return CpuKernel(weight, cpu_kernels.rowgemm()[0])
 
 
 @needs_kernel
@@ -115,7 +115,7 @@ def test_no_compiler_or_switch_off_means_plain_f_linear(tmp_path, monkeypatch) -
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
     fn, why = load_rowgemm(home=tmp_path)
     assert fn is None and cpu_kernels.ENV_SWITCH in why
-    monkeypatch.setattr(cpu_kernels, "_rowgemm", lambda: (None, why))
+    monkeypatch.setattr(cpu_kernels, "rowgemm", lambda: (None, why))
     model = tiny_target(0)
     assert not enable_cpu_kernels(model) and "head_kernel" not in model.__dict__
     assert not enable_cpu_kernels(tiny_target(0).to(torch.bfloat16))

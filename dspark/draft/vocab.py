@@ -65,10 +65,10 @@ class DraftVocabMixin:
         (`dspark.models.cpu_kernels.enable_drafter_cpu_kernels`)."""
         if "cpu_kernels_target" not in self.__dict__:
             return
-        from dspark.models.cpu_kernels import CpuKernel, _rowgemm
+        from dspark.models.cpu_kernels import CpuKernel, rowgemm
 
         self.__dict__.pop("head_kernel", None)
-        fn = _rowgemm()[0]
+        fn = rowgemm()[0]
         if fn is None:
             return
         if self.draft_lm_head is not None:

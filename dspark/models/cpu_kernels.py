@@ -99,18 +99,19 @@ def load_rowgemm(cc: str | None = None, home: str | Path | None = None) -> tuple
 
 
 @lru_cache(maxsize=1)
-def _rowgemm() -> tuple[object | None, str]:
+def rowgemm() -> tuple[object | None, str]:
+    """This process's kernel: (the C function, "") or (None, why not); built at the first call."""
     return load_rowgemm()
 
 
 def cpu_kernels_status() -> str:
     """One line for logs and benchmark headers: on, or off and why."""
-    fn, why = _rowgemm()
+    fn, why = rowgemm()
     return f"on ({SOURCE.name}, 1-{MAX_ROWS} rows)" if fn is not None else why
 
 
 def cpu_kernels_available() -> bool:
-    return _rowgemm()[0] is not None
+    return rowgemm()[0] is not None
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -169,7 +170,7 @@ def enable_cpu_kernels(model) -> bool:
 
     Returns False, changing nothing, when the model is not float32 on the CPU or the kernel is
     unavailable (`cpu_kernels_status()` says why)."""
-    fn = _rowgemm()[0]
+    fn = rowgemm()[0]
     if fn is None or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in model.parameters()):
         return False
     for module in _linears(model):
@@ -191,7 +192,7 @@ def enable_drafter_cpu_kernels(drafter, target=None) -> bool:
     For serving: under autograd the kernels step aside. False (nothing changed) as above."""
     from dspark.models.layers import Linear
 
-    fn = _rowgemm()[0]
+    fn = rowgemm()[0]
     if fn is None or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in drafter.parameters()):
         return False
     for module in drafter.modules():

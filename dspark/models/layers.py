@@ -4,7 +4,8 @@ runtime and the drafters (whose layers have the target family's shape).
 Linear layers compute `x @ W.T` through `linear()`: `F.linear`, except for
 2-3 input rows and a row-major weight, where its MKL path is slow on CPU and
 `W @ x.T` is used instead (see the notes in docs/BENCHMARKS.md and
-docs/DRAFTING.md). The target's own fast CPU paths are in `cpu_kernels.py`.
+docs/DRAFTING.md). Served models on a CPU use the C kernel of `cpu_kernels.py`
+instead, for 1-32 rows.
 """
 
 from __future__ import annotations
