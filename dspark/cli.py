@@ -17,6 +17,8 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="Hugging Face Llama-family model folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--home", default=None, help="dspark home folder for caches (default: $DSPARK_HOME or ~/.cache/dspark)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target weight dtype")
+    p.add_argument("--no-cpu-kernel", dest="cpu_kernels", action="store_false",
+                   help="compute small-row float32 matmuls with torch instead of dspark's C kernel")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -171,7 +173,7 @@ def cmd_generate(args) -> int:
         raise UserError("the prompt is empty: pass some text with --prompt")
     if args.block_size is not None and not (1 <= args.block_size <= 64):
         raise UserError(f"--block-size must be in 1..64, got {args.block_size}")
-    loaded = load_target(args.target, home=args.home, dtype=_dtype(args.dtype))
+    loaded = load_target(args.target, home=args.home, dtype=_dtype(args.dtype), cpu_kernels=args.cpu_kernels)
     if loaded.tokenizer is None:
         raise UserError(f"the target folder {loaded.path} has no tokenizer files; add them (tokenizer.json) to generate text")
     drafter = load_drafter(args.drafter, loaded.model, block_size=args.block_size, embedded=args.target is None)
@@ -215,7 +217,8 @@ def cmd_serve(args) -> int:
     )
     run_server(
         args.target, args.drafter, args.policy, args.host, args.port, args.api_key, home=args.home,
-        dtype=args.dtype, block_size=args.block_size, threshold=args.threshold, engine_config=config,
+        dtype=args.dtype, cpu_kernels=args.cpu_kernels, block_size=args.block_size, threshold=args.threshold,
+        engine_config=config,
     )
     return 0
 
@@ -224,8 +227,8 @@ def cmd_profile(args) -> int:
     from dspark.engine.profile import run_profile
 
     run_profile(
-        args.target, args.drafter, home=args.home, dtype=args.dtype, block_size=args.block_size,
-        out_png=args.out, refresh=args.refresh,
+        args.target, args.drafter, home=args.home, dtype=args.dtype, cpu_kernels=args.cpu_kernels,
+        block_size=args.block_size, out_png=args.out, refresh=args.refresh,
     )
     return 0
 
@@ -282,7 +285,8 @@ def cmd_eval(args) -> int:
     run = run_eval(
         args.drafter, args.bench, limit=args.limit, temperature=args.temperature, block_size=args.block_size,
         max_new_tokens=args.max_new_tokens, seed=args.seed, target=args.target, home=args.home,
-        dtype=args.dtype, baseline=not args.no_baseline, results_dir=args.results or "runs/eval",
+        dtype=args.dtype, cpu_kernels=args.cpu_kernels, baseline=not args.no_baseline,
+        results_dir=args.results or "runs/eval",
     )
     print(json.dumps(run.brief()) if args.json else format_eval(run))
     return 0
@@ -304,7 +308,8 @@ def cmd_bench(args) -> int:
         from dspark.bench.draft import run_draft_bench
         from dspark.models import load_target
 
-        run_draft_bench(load_target(args.target, home=args.home, dtype=_dtype(args.dtype)).model, repeats=args.repeats)
+        loaded = load_target(args.target, home=args.home, dtype=_dtype(args.dtype), cpu_kernels=args.cpu_kernels)
+        run_draft_bench(loaded.model, repeats=args.repeats)
     elif args.bench == "serve":
         _bench_serve(args)
     elif args.bench == "soak":
@@ -330,7 +335,8 @@ def _bench_serve(args) -> None:
         concurrency=_ints(args.concurrency, "--concurrency"), rates=rates, max_seconds=args.max_seconds,
         sampling=replace(SamplingSpec(), max_new_tokens=args.max_new_tokens),
     )
-    run_load_bench(arms, settings, target=args.target, home=args.home, dtype=args.dtype, out_dir=args.out,
+    run_load_bench(arms, settings, target=args.target, home=args.home, dtype=args.dtype, cpu_kernels=args.cpu_kernels,
+                   out_dir=args.out,
                    command="dspark " + " ".join(sys.argv[1:]))
 
 

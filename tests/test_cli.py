@@ -101,3 +101,16 @@ def test_default_drafter_with_auto_policy_prints_the_greedy_tokens_of_none(capsy
     after a batch-1 profile) gives exactly plain greedy decoding's tokens."""
     outs = _greedy_json(capsys, ("default", "none"), "Explain in two sentences why the sky is blue.", 40)
     assert outs[0]["token_ids"] == outs[1]["token_ids"] and outs[0]["num_generated"] == 40
+
+
+@pytest.mark.slow
+def test_greedy_tokens_are_the_same_with_and_without_the_cpu_kernel(capsys):
+    """Plain greedy decoding on torch's matmuls (`--no-cpu-kernel`) and speculative greedy
+    decoding (prompt lookup) on the C kernel print the same tokens on the embedded model."""
+    outs = []
+    for extra in (["--drafter", "none", "--no-cpu-kernel"], ["--drafter", "ngram"]):
+        argv = ["generate", "--chat", "--prompt", "List the numbers from 1 to 20, separated by commas.",
+                "--temperature", "0", "--max-new-tokens", "40", "--json", *extra]
+        assert main(argv) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0]["token_ids"] == outs[1]["token_ids"] and outs[1]["stats"]["accepted_tokens"] > 0

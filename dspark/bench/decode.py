@@ -167,13 +167,15 @@ def run_decode_bench(
     threads: int | None = None,
     home: str | None = None,
     print_fn: Callable[[str], None] | None = print,
+    cpu_kernels: bool = True,
 ) -> dict:
     """Time the target forward in each (batch, new tokens) case; print a table and return
     {"target", "context", "repeats", "threads", "clock", "timings": [DecodeTiming as dict, ...]}.
 
     clock: "wall" (elapsed time) or "cpu" (this process's CPU time: steadier on a busy
     machine, meaningful with threads=1). threads: torch intra-op threads for the run
-    (None keeps the current setting; it is restored afterwards).
+    (None keeps the current setting; it is restored afterwards). cpu_kernels: time the
+    runtime with its small-row CPU kernel and again without it (False: without only).
     """
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
@@ -181,7 +183,8 @@ def run_decode_bench(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        result = _run_cases(target, repeats, context, cases, dtypes, include_transformers, warmup, clock, home)
+        result = _run_cases(target, repeats, context, cases, dtypes, include_transformers, warmup, clock, home,
+                            cpu_kernels)
     finally:
         torch.set_num_threads(previous_threads)
     if print_fn is not None:
@@ -192,11 +195,12 @@ def run_decode_bench(
 def _run_cases(
     target: str | None, repeats: int, context: int, cases: tuple[tuple[int, int], ...],
     dtypes: tuple[torch.dtype, ...], include_transformers: bool, warmup: int, clock: str, home: str | None,
+    cpu_kernels: bool = True,
 ) -> dict:
     timings: list[DecodeTiming] = []
     folder = None
-    variants = [(dtype, True) for dtype in dtypes]
-    if torch.float32 in dtypes and cpu_kernels_available():  # the runtime without its CPU kernels
+    variants = [(dtype, cpu_kernels) for dtype in dtypes]
+    if cpu_kernels and torch.float32 in dtypes and cpu_kernels_available():  # the runtime without its CPU kernel
         variants.insert(dtypes.index(torch.float32) + 1, (torch.float32, False))
     for dtype, kernels in variants:
         loaded = load_target(target, home=home, dtype=dtype, cpu_kernels=kernels)
@@ -225,7 +229,7 @@ def _run_cases(
         "repeats": repeats,
         "threads": torch.get_num_threads(),
         "clock": clock,
-        "cpu_kernels": cpu_kernels_status(),
+        "cpu_kernels": cpu_kernels_status() if cpu_kernels else "off (--no-cpu-kernel)",
         "timings": [asdict(t) for t in timings],
     }
 

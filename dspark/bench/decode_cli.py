@@ -58,10 +58,10 @@ def _hf_generate(folder, prompt_ids: list[int], max_new_tokens: int) -> tuple[li
     return out[0, len(prompt_ids) :].tolist(), seconds
 
 
-def measure_generation(target: str | None, home: str | None, max_new_tokens: int) -> dict:
+def measure_generation(target: str | None, home: str | None, max_new_tokens: int, cpu_kernels: bool = True) -> dict:
     from dspark.models import load_target
 
-    loaded = load_target(target, home=home)
+    loaded = load_target(target, home=home, cpu_kernels=cpu_kernels)
     _engine_generate(loaded, "none", CHAT_PROMPT, 8)  # warm-up
     plain, prompt_ids = _engine_generate(loaded, "none", CHAT_PROMPT, max_new_tokens)
     hf_tokens, hf_seconds = _hf_generate(loaded.path, prompt_ids, max_new_tokens)
@@ -112,9 +112,11 @@ def report(steps: dict, gen: dict, command: str) -> str:
 
 
 def run(args) -> dict:
-    steps = run_decode_bench(args.target, args.repeats, home=args.home, print_fn=None)
-    gen = measure_generation(args.target, args.home, args.max_new_tokens)
+    kernels = getattr(args, "cpu_kernels", True)
+    steps = run_decode_bench(args.target, args.repeats, home=args.home, print_fn=None, cpu_kernels=kernels)
+    gen = measure_generation(args.target, args.home, args.max_new_tokens, cpu_kernels=kernels)
     command = f"dspark bench decode --repeats {args.repeats} --max-new-tokens {args.max_new_tokens}"
+    command += "" if kernels else " --no-cpu-kernel"
     text = report(steps, gen, command)
     print(text)
     if getattr(args, "out", None):

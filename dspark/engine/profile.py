@@ -380,6 +380,7 @@ def run_profile(
     *,
     home: str | Path | None = None,
     dtype: str = "float32",
+    cpu_kernels: bool = True,
     block_size: int | None = None,
     settings: ProfileSettings = ProfileSettings(),
     out_png: str | Path | None = None,
@@ -393,7 +394,7 @@ def run_profile(
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
     if torch_dtype is None:
         raise UserError(f"unknown dtype {dtype!r}; use float32 or bfloat16")
-    loaded = load_target(target_path, home=home, dtype=torch_dtype)
+    loaded = load_target(target_path, home=home, dtype=torch_dtype, cpu_kernels=cpu_kernels)
     drafter = load_drafter(drafter_spec, loaded.model, block_size=block_size, embedded=target_path is None)
     start = time.perf_counter()
     outcome = profile_engine(

@@ -245,6 +245,7 @@ def run_eval(
     target: str | None = None,
     home: str | None = None,
     dtype: str = "float32",
+    cpu_kernels: bool = True,
     baseline: bool = True,
     results_dir: str | Path | None = "runs/eval",
     progress: bool = True,
@@ -261,7 +262,8 @@ def run_eval(
     _check_args(temperature, block_size, max_new_tokens, dtype)
     specs = parse_drafters(drafters, baseline)
     suites = load_suites(bench, limit)  # every file validated before any model work
-    loaded = load_target(target, home=home, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
+    loaded = load_target(target, home=home, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype],
+                         cpu_kernels=cpu_kernels)
     built = [(drafter_label(s), s, load_drafter(s, loaded.model, block_size=block_size, embedded=target is None))
              for s in specs]  # a drafter for another target fails here, before generation
     settings = EvalSettings(benchmarks=tuple(suites), limit=limit, temperature=temperature, block_size=block_size,

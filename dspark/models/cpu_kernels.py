@@ -16,9 +16,10 @@ Each output is one FMA chain over the input index whatever the number of
 rows, so a row's result never depends on the other rows of the call.
 
 The kernel is compiled once with the system C compiler (`$CC`, else `cc`)
-into `<dspark home>/kernels/` on first use. Without a compiler, on a CPU
-without AVX2 and FMA, or with `DSPARK_CPU_KERNELS=0`, nothing changes: the
-model runs `F.linear` as before.
+into `<dspark home>/kernels/` on first use. Without a compiler or on a CPU
+without AVX2 and FMA nothing changes: the model runs `F.linear` as before
+(as it does with `load_target(..., cpu_kernels=False)`, the CLI's
+`--no-cpu-kernel`).
 
 `enable_cpu_kernels(model)` gives each decoder-layer linear and the LM head a
 `CpuKernel` holding the packed copy (memory: about twice the weights);
@@ -48,7 +49,6 @@ from dspark.models.layers import linear
 
 MAX_ROWS = 32  # row counts up to this go through the kernel; more rows are compute-bound: F.linear
 PANEL = 8  # outputs per packed panel (one AVX2 register of float32)
-ENV_SWITCH = "DSPARK_CPU_KERNELS"  # "0" turns the kernels off
 SOURCE = Path(__file__).parent / "csrc" / "rowgemm.c"
 # -O2, not -O3: gcc 12 at -O3 spills the accumulators to the stack on every iteration
 CFLAGS = ("-O2", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC")
@@ -79,8 +79,6 @@ def _build(cc: str, home: str | Path | None) -> Path:
 
 def load_rowgemm(cc: str | None = None, home: str | Path | None = None) -> tuple[object | None, str]:
     """(the C function, "") or (None, why not). Compiles the kernel when needed."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return None, f"off ({ENV_SWITCH}=0)"
     if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() not in (
         "AVX2", "AVX512"
     ):

@@ -46,8 +46,8 @@ def load_target(
     """Load a target folder; `path=None` loads the embedded SmolLM2 (converting it once).
 
     cpu_kernels: give a float32 model the small-row CPU matmul kernel of
-    `dspark.models.cpu_kernels` (about twice the weights' memory; `DSPARK_CPU_KERNELS=0`
-    also turns it off). Pass False for a model that will move to a GPU."""
+    `dspark.models.cpu_kernels` (about twice the weights' memory). Pass False for a model that
+    will move to a GPU, or to run torch's own matmuls (the CLI's `--no-cpu-kernel`)."""
     folder = ensure_embedded_target(home) if path is None else Path(path).expanduser()
     config = read_target_config(folder)
     model = load_target_model(folder, config, dtype)

@@ -36,6 +36,7 @@ def build_stack(
     *,
     home: str | None = None,
     dtype: str = "float32",
+    cpu_kernels: bool = True,
     block_size: int | None = None,
     threshold: float = 0.5,
     engine_config: EngineConfig = EngineConfig(),
@@ -51,7 +52,7 @@ def build_stack(
 
     if dtype not in _DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
-    loaded = load_target(target, home=home, dtype=getattr(torch, dtype))
+    loaded = load_target(target, home=home, dtype=getattr(torch, dtype), cpu_kernels=cpu_kernels)
     if loaded.tokenizer is None:
         raise UserError(f"the target {loaded.path} has no tokenizer files; the server needs one to read prompts")
     draft = load_drafter(drafter, loaded.model, block_size=block_size, embedded=target is None)
@@ -87,6 +88,7 @@ def run_server(
     *,
     home: str | None = None,
     dtype: str = "float32",
+    cpu_kernels: bool = True,
     block_size: int | None = None,
     threshold: float = 0.5,
     engine_config: EngineConfig = EngineConfig(),
@@ -98,7 +100,7 @@ def run_server(
 
     if not 0 <= port <= 65535:
         raise UserError(f"--port must be in 0..65535, got {port}")
-    stack = build_stack(target, drafter, policy, home=home, dtype=dtype, block_size=block_size,
+    stack = build_stack(target, drafter, policy, home=home, dtype=dtype, cpu_kernels=cpu_kernels, block_size=block_size,
                         threshold=threshold, engine_config=engine_config)
     if not _is_loopback(host) and not api_key:
         print(f"[dspark] warning: serving on {host} without an API key; anyone who can reach it can use it",
