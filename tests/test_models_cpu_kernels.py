@@ -36,6 +36,17 @@ def test_kernel_matches_f_linear(rows: int, shape: tuple[int, int]) -> None:
 
 
 @needs_kernel
+def test_wrong_shapes_raise_like_f_linear_instead_of_reaching_the_c_code() -> None:
+    weight = torch.randn(16, 8)
+    kernel = _kernel(weight)
+    with pytest.raises(RuntimeError):
+        kernel(torch.randn(2, 4))  # 8 values: would pass a row count check
+    with pytest.raises(RuntimeError):
+        kernel(torch.randn(2, 8), torch.randn(3))
+    assert kernel.fast_calls == 0
+
+
+@needs_kernel
 def test_a_rows_result_does_not_depend_on_the_other_rows() -> None:
     gen = torch.Generator().manual_seed(0)
     weight, x = torch.randn(200, 72, generator=gen), torch.randn(32, 72, generator=gen)

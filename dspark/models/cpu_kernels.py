@@ -139,10 +139,11 @@ class CpuKernel:
         rows = x.numel() // max(n, 1)
         usable = (
             1 <= rows <= MAX_ROWS
+            and x.shape[-1] == n  # else `linear` raises the shape error (the C code would read out of bounds)
             and x.device.type == "cpu"
             and x.dtype == torch.float32
             and self._current_stamp() == self._stamp
-            and (bias is None or bias.dtype == torch.float32)
+            and (bias is None or (bias.dtype == torch.float32 and bias.numel() == out))
             and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))  # no autograd in C
         )
         if not usable:
