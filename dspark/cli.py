@@ -80,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("config", help="recipe file, e.g. configs/dspark.toml")
     t.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
     t.add_argument("--stop-at-step", type=int, default=None, help="stop early at this step (checkpointed)")
+    t.add_argument("--evaluate", metavar="DRAFTER", default=None,
+                   help="do not train: print the held-out evaluation of a drafter folder on this recipe's data (JSON)")
 
     c = sub.add_parser("calibrate", help="Sequential Temperature Scaling of a drafter's confidence head")
     c.add_argument("drafter", help="drafter folder")
@@ -244,8 +246,11 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from dspark.train.run import run_train
+    from dspark.train.run import evaluate_drafter, run_train
 
+    if args.evaluate:
+        print(json.dumps(evaluate_drafter(args.config, args.evaluate)))
+        return 0
     folder = run_train(args.config, resume=not args.no_resume, stop_at_step=args.stop_at_step)
     print(f"dspark train: drafter written to {folder}")
     return 0

@@ -19,7 +19,7 @@ from dspark.errors import UserError
 from dspark.models.loading import load_target
 from dspark.models.tiny import tiny_hf_folder
 from dspark.train.config import config_from_dict, load_config
-from dspark.train.run import run_calibrate, run_train
+from dspark.train.run import evaluate_drafter, run_calibrate, run_train
 from train_toys import write_toy_data
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -123,6 +123,16 @@ def test_run_train_baselines(tmp_path, kind):
     assert (final / "config.json").is_file()
     with pytest.raises(UserError, match="no confidence head"):
         run_calibrate(final, tmp_path / "data", target_path=str(tiny_hf_folder(tmp_path)), holdout_fraction=0.25, max_seq_len=32)
+
+
+def test_evaluate_drafter_repeats_the_end_of_training_evaluation(tmp_path):
+    recipe = _recipe(tmp_path, "dflash", steps=3)
+    final = run_train(recipe)
+    held = json.loads((final.parent / "summary.json").read_text())["heldout"]
+    again = evaluate_drafter(recipe, final)  # the folder holds float16 weights: close, not equal
+    assert again["heldout_sequences"] > 0 and again["drafter"] == str(final)
+    assert again["expected_accept_len"] == pytest.approx(held["expected_accept_len"], abs=0.02)
+    assert again["loss"] == pytest.approx(held["loss"], rel=0.02)
 
 
 def _checkpoint_weights(out_dir: Path) -> dict:

@@ -2,6 +2,7 @@
 parses arguments and calls these; they print progress and a summary).
 
     run_train(config_path, resume=True) -> folder of the trained drafter
+    evaluate_drafter(config_path, drafter_dir) -> held-out losses and acceptance of any drafter folder
     run_calibrate(drafter_dir, data_dir, ...) -> STS temperatures and metrics
 
 Data-parallel training: launch the same call under `torchrun`; every rank
@@ -132,6 +133,30 @@ def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int
               f"{held.get('loss')}, expected acceptance length {held.get('expected_accept_len')}; drafter in {final}")
     _leave(info)
     return final
+
+
+def evaluate_drafter(config_path: str | Path, drafter_dir: str | Path) -> dict:
+    """The end-of-training held-out evaluation for any drafter folder: a recipe's held-out
+    split of its data, its losses and anchors, features computed online. Compares drafters
+    trained elsewhere (other data, other budgets) on the same held-out sequences."""
+    from dspark.draft.checkpoint import load_drafter_folder
+    from dspark.models.loading import load_target
+
+    cfg = load_config(config_path)
+    target = load_target(cfg.target.path or None, cpu_kernels=False)
+    store = SequenceStore(cfg.data.dir)
+    _check_data(store, target)
+    train, heldout = store.split(cfg.data.holdout_fraction)
+    if not heldout:
+        raise UserError(f"no held-out sequences in {cfg.data.dir} at holdout_fraction={cfg.data.holdout_fraction}")
+    drafter = load_drafter_folder(drafter_dir, target.model)
+    freeze_shared(drafter, target.model)
+    pad_id = target.config.eos_token_ids[0] if target.config.eos_token_ids else 0
+    trainer = Trainer(cfg, drafter, OnlineFeatures(target.model, drafter.tap_layers), store, train,
+                      drafter_io(cfg.optim.anchors_per_seq, target.model), DistInfo(), heldout, pad_id)
+    result = trainer.evaluate(heldout[:MAX_EVAL_SEQUENCES])
+    return {"drafter": str(drafter_dir), "config": str(config_path), "heldout_sequences": len(heldout[:MAX_EVAL_SEQUENCES]),
+            **result}
 
 
 def _leave(info: DistInfo) -> None:
