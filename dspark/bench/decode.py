@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from dspark.models.cpu_kernels import cpu_kernels_available, cpu_kernels_status
+from dspark.models.cpu_kernels import cpu_kernels_available, cpu_kernels_status, target_linears
 from dspark.models.loading import LoadedTarget, load_target, read_target_config
 from dspark.types import RaggedBatch
 
@@ -90,13 +90,10 @@ def _projections(model) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], in
     from dspark.models.layers import linear
 
     def product(module: object, weight: torch.Tensor, kernel_name: str):
-        kernel = getattr(module, "__dict__", {}).get(kernel_name)
+        kernel = module.__dict__.get(kernel_name)
         return (kernel if kernel is not None else lambda x: linear(x, weight)), weight.shape[1]
 
-    out = []
-    for layer in model.model.layers:
-        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            out.append(product(m, m.weight, "cpu_kernel"))
+    out = [product(m, m.weight, "cpu_kernel") for m in target_linears(model)]
     out.append(product(model, model.lm_head_weight, "head_kernel"))
     return out
 

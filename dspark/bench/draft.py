@@ -24,7 +24,7 @@ import torch
 
 from dspark.draft.dspark import DSparkDrafter
 from dspark.draft.factory import build_drafter, drafter_size
-from dspark.models.cpu_kernels import enable_drafter_cpu_kernels
+from dspark.models.cpu_kernels import enable_drafter_cpu_kernels, has_cpu_kernels
 from dspark.types import RaggedBatch, SamplingParams
 
 
@@ -140,7 +140,7 @@ def run_draft_bench(
     for gamma in gammas:
         drafter = build_drafter("dspark", target.config, target.embed_tokens, target.lm_head_weight,
                                 **{**(drafter_config or {}), "block_size": gamma})
-        if "head_kernel" in target.__dict__:  # served as `dspark generate` serves it: with the CPU kernel
+        if has_cpu_kernels(target):  # served as `dspark generate` serves it: with the CPU kernel
             enable_drafter_cpu_kernels(drafter, target)
         sizes = sizes or drafter_size(drafter)
         for batch in batches:

@@ -283,9 +283,9 @@ def load_drafter_folder(folder: str | Path, target, *, dtype: torch.dtype = torc
             drafter.set_draft_vocab(ranking, vocab_size)
         except UserError as exc:
             raise CheckpointError(f"{folder}: {exc}") from None
-    if "head_kernel" in getattr(target, "__dict__", {}):  # a target served with the CPU kernel
-        from dspark.models.cpu_kernels import enable_drafter_cpu_kernels
+    from dspark.models.cpu_kernels import enable_drafter_cpu_kernels, has_cpu_kernels
 
+    if has_cpu_kernels(target):  # a target served with the CPU kernel: its drafter gets it too
         enable_drafter_cpu_kernels(drafter, target)
     return drafter
 

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from dspark.errors import UserError
+from dspark.models.cpu_kernels import has_cpu_kernels
 from dspark.schedule import CostKey, CostTable, budget_grid, profile_points, settings_fingerprint
 from dspark.schedule.cost import SplitCost
 from dspark.types import RaggedBatch, SamplingParams
@@ -317,7 +318,7 @@ def profile_engine(
     drafter_id = drafter_id or drafter.name
     extra = {"block_size": drafter.block_size, "tap_layers": list(drafter.tap_layers),
              "context": "passage" if tokenizer is not None else "pseudo-text", "runtime": RUNTIME_REVISION,
-             "cpu_kernels": "head_kernel" in target.__dict__}
+             "cpu_kernels": has_cpu_kernels(target)}
     config = getattr(drafter, "config", None)
     for field in ("draft_vocab_size", "transition_top_k"):  # drafter settings that change D(R)
         if hasattr(config, field):

@@ -156,7 +156,8 @@ class CpuKernel:
         return y.reshape(*x.shape[:-1], out)
 
 
-def _linears(model) -> list:
+def target_linears(model) -> list:
+    """A TargetModel's decoder-layer linear modules (each holding `weight` [out, in], `bias`)."""
     return [
         m
         for layer in model.model.layers
@@ -172,15 +173,20 @@ def enable_cpu_kernels(model) -> bool:
     fn = rowgemm()[0]
     if fn is None or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in model.parameters()):
         return False
-    for module in _linears(model):
+    for module in target_linears(model):
         module.cpu_kernel = CpuKernel(module.weight, fn)
     model.head_kernel = CpuKernel(model.lm_head_weight, fn)
     return True
 
 
+def has_cpu_kernels(model) -> bool:
+    """Whether `enable_cpu_kernels` gave this target model its kernels."""
+    return "head_kernel" in getattr(model, "__dict__", {})
+
+
 def disable_cpu_kernels(model) -> None:
     """Drop the kernels and their packed copies."""
-    for module in _linears(model):
+    for module in target_linears(model):
         module.__dict__.pop("cpu_kernel", None)
     model.__dict__.pop("head_kernel", None)
 
