@@ -36,6 +36,29 @@ def test_kernel_matches_f_linear(rows: int, shape: tuple[int, int]) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 32])
+def test_float16_panels_give_the_float32_panels_results_bit_for_bit(rows: int) -> None:
+    """A weight exact in float16 (a drafter loaded from its float16 checkpoint) is packed in
+    float16 and widened on load: the same products, from half the bytes."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(136, 88, generator=gen) * 0.05).half().float()
+    bias, x = torch.randn(136, generator=gen), torch.randn(rows, 88, generator=gen)
+    half, full = _kernel(weight), CpuKernel(weight, cpu_kernels.rowgemm()[0], allow_float16=False)
+    assert half.panels.dtype == torch.float16 and full.panels.dtype == torch.float32
+    assert torch.equal(half(x, bias), full(x, bias))
+    torch.testing.assert_close(half(x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert half.fast_calls == 2
+
+
+@needs_kernel
+def test_weights_not_exact_in_float16_keep_float32_panels() -> None:
+    weight = torch.randn(16, 8)
+    weight[3, 2] = 1e6  # overflows float16
+    assert _kernel(weight).panels.dtype == torch.float32
+    assert _kernel(torch.randn(16, 8) / 3).panels.dtype == torch.float32  # rounds in float16
+
+
+@needs_kernel
 def test_wrong_shapes_raise_like_f_linear_instead_of_reaching_the_c_code() -> None:
     weight = torch.randn(16, 8)
     kernel = _kernel(weight)

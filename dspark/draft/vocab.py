@@ -68,11 +68,11 @@ class DraftVocabMixin:
         from dspark.models.cpu_kernels import CpuKernel, rowgemm
 
         self.__dict__.pop("head_kernel", None)
-        fn = rowgemm()[0]
-        if fn is None:
+        kernels = rowgemm()[0]
+        if kernels is None:
             return
         if self.draft_lm_head is not None:
-            self.head_kernel = CpuKernel(self.draft_lm_head, fn)
+            self.head_kernel = CpuKernel(self.draft_lm_head, kernels)
         else:
             target = self.cpu_kernels_target  # drafting over the whole vocabulary: the target's head
             shared = None if target is None else target.__dict__.get("head_kernel")

@@ -13,7 +13,10 @@ contiguous stream), with the partial sums of up to 8 rows in registers. On
 the embedded target its products for 1, 2, 4 and 8 rows cost about 28, 32,
 36 and 56 ms against 42, 80, 93 and 103 ms through `F.linear` (one thread).
 Each output is one FMA chain over the input index whatever the number of
-rows, so a row's result never depends on the other rows of the call.
+rows, so a row's result never depends on the other rows of the call. A
+weight whose float32 values are all exact float16 numbers (a drafter loaded
+from its float16 checkpoint) is packed in float16 and widened on load: the
+same products, bit for bit, from half the bytes.
 
 The kernel is compiled once with the system C compiler (`$CC`, else `cc`)
 into `<dspark home>/kernels/` on first use. Without a compiler or on a CPU
@@ -40,6 +43,7 @@ import os
 import platform
 import shutil
 import subprocess
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -51,7 +55,15 @@ MAX_ROWS = 32  # row counts up to this go through the kernel; more rows are comp
 PANEL = 8  # outputs per packed panel (one AVX2 register of float32)
 SOURCE = Path(__file__).parent / "csrc" / "rowgemm.c"
 # -O2, not -O3: gcc 12 at -O3 spills the accumulators to the stack on every iteration
-CFLAGS = ("-O2", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC")
+CFLAGS = ("-O2", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC")
+
+
+@dataclass(frozen=True)
+class RowGemm:
+    """The compiled entry points: y = x @ W.T from float32 panels, or from float16 panels."""
+
+    f32: object  # dspark_rowgemm(x, panels, bias, y, rows, in, out)
+    f16: object  # dspark_rowgemm_f16(...), panels of float16 bits
 
 
 def _compiler() -> str | None:
@@ -77,8 +89,9 @@ def _build(cc: str, home: str | Path | None) -> Path:
     return out
 
 
-def load_rowgemm(cc: str | None = None, home: str | Path | None = None) -> tuple[object | None, str]:
-    """(the C function, "") or (None, why not). Compiles the kernel when needed."""
+def load_rowgemm(cc: str | None = None, home: str | Path | None = None) -> tuple[RowGemm | None, str]:
+    """(the kernel's entry points, "") or (None, why not). Compiles the kernel when needed.
+    (Every AVX2 CPU also has F16C, which the float16 entry point uses.)"""
     if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() not in (
         "AVX2", "AVX512"
     ):
@@ -90,15 +103,15 @@ def load_rowgemm(cc: str | None = None, home: str | Path | None = None) -> tuple
         library = ctypes.CDLL(str(_build(cc, home)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         return None, f"off (building {SOURCE.name} failed: {err})"
-    fn = library.dspark_rowgemm
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
-    fn.restype = None
-    return fn, ""
+    for fn in (library.dspark_rowgemm, library.dspark_rowgemm_f16):
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+        fn.restype = None
+    return RowGemm(f32=library.dspark_rowgemm, f16=library.dspark_rowgemm_f16), ""
 
 
 @lru_cache(maxsize=1)
-def rowgemm() -> tuple[object | None, str]:
-    """This process's kernel: (the C function, "") or (None, why not); built at the first call."""
+def rowgemm() -> tuple[RowGemm | None, str]:
+    """This process's kernel: (its entry points, "") or (None, why not); built at the first call."""
     return load_rowgemm()
 
 
@@ -121,12 +134,22 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, PANEL, n).transpose(1, 2).contiguous()
 
 
-class CpuKernel:
-    """y = x @ weight.T (+ bias) for a fixed float32 CPU weight [out, in], 1-32 rows in C."""
+def exact_in_float16(weight: torch.Tensor) -> bool:
+    """Every value survives a round trip through float16 unchanged (no rounding, no overflow)."""
+    return bool(torch.equal(weight.detach().half().float(), weight.detach()))
 
-    def __init__(self, weight: torch.Tensor, fn: object) -> None:
-        self.weight, self._fn = weight, fn
-        self.panels = pack_panels(weight)
+
+class CpuKernel:
+    """y = x @ weight.T (+ bias) for a fixed float32 CPU weight [out, in], 1-32 rows in C
+    (from float16 panels when the weight is exact in float16, else from float32 panels)."""
+
+    def __init__(self, weight: torch.Tensor, kernels: RowGemm, *, allow_float16: bool = True) -> None:
+        self.weight = weight
+        panels = pack_panels(weight)
+        if allow_float16 and exact_in_float16(weight):
+            self.panels, self._fn = panels.half(), kernels.f16
+        else:
+            self.panels, self._fn = panels, kernels.f32
         self._stamp = self._current_stamp()
         self.fast_calls = 0  # products the kernel computed (the rest went through `linear`)
 
@@ -170,12 +193,12 @@ def enable_cpu_kernels(model) -> bool:
 
     Returns False, changing nothing, when the model is not float32 on the CPU or the kernel is
     unavailable (`cpu_kernels_status()` says why)."""
-    fn = rowgemm()[0]
-    if fn is None or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in model.parameters()):
+    kernels = rowgemm()[0]
+    if kernels is None or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in model.parameters()):
         return False
     for module in target_linears(model):
-        module.cpu_kernel = CpuKernel(module.weight, fn)
-    model.head_kernel = CpuKernel(model.lm_head_weight, fn)
+        module.cpu_kernel = CpuKernel(module.weight, kernels)
+    model.head_kernel = CpuKernel(model.lm_head_weight, kernels)
     return True
 
 
@@ -197,12 +220,12 @@ def enable_drafter_cpu_kernels(drafter, target=None) -> bool:
     For serving: under autograd the kernels step aside. False (nothing changed) as above."""
     from dspark.models.layers import Linear
 
-    fn = rowgemm()[0]
-    if fn is None or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in drafter.parameters()):
+    kernels = rowgemm()[0]
+    if kernels is None or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in drafter.parameters()):
         return False
     for module in drafter.modules():
         if isinstance(module, Linear):
-            module.cpu_kernel = CpuKernel(module.weight, fn)
+            module.cpu_kernel = CpuKernel(module.weight, kernels)
     drafter.__dict__["cpu_kernels_target"] = target  # not `drafter.x = target`: that would register a submodule
     if hasattr(drafter, "refresh_head_kernel"):
         drafter.refresh_head_kernel()
