@@ -9,8 +9,9 @@ separately, the sequential stage with the top-K transition restriction, the
 per-round `observe` of a typical accepted prefix, `propose` again with a
 draft vocabulary of K tokens (`vocabK`), and (when the target can
 run) one target forward of batch x (G + 1) tokens with the drafter's tapped
-layers, rolled back after each repeat. Weights are random: speed does not
-depend on them.
+layers, rolled back after each repeat. Weights are random, rounded to
+float16 as in a shipped checkpoint (the CPU kernel then reads them as float16):
+speed does not depend on their values.
 """
 
 from __future__ import annotations
@@ -140,6 +141,9 @@ def run_draft_bench(
     for gamma in gammas:
         drafter = build_drafter("dspark", target.config, target.embed_tokens, target.lm_head_weight,
                                 **{**(drafter_config or {}), "block_size": gamma})
+        with torch.no_grad():  # float16-rounded, as a drafter loaded from a float16 checkpoint is
+            for p in drafter.parameters():
+                p.copy_(p.half().float())
         if has_cpu_kernels(target):  # served as `dspark generate` serves it: with the CPU kernel
             enable_drafter_cpu_kernels(drafter, target)
         sizes = sizes or drafter_size(drafter)
