@@ -83,7 +83,7 @@ class DraftVocabMixin:
         """hidden [..., D] -> float32 logits over the draft vocabulary (all V tokens without one)."""
         kernel = self.__dict__.get("head_kernel")
         if kernel is not None:
-            return kernel(hidden).float()
+            return kernel(hidden)  # float32
         return self.vocab.logits(hidden, self.draft_lm_head)
 
     def _draft_vocab_changed(self) -> None:

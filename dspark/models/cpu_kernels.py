@@ -230,11 +230,3 @@ def enable_drafter_cpu_kernels(drafter, target=None) -> bool:
     if hasattr(drafter, "refresh_head_kernel"):
         drafter.refresh_head_kernel()
     return True
-
-
-def disable_drafter_cpu_kernels(drafter) -> None:
-    """Drop a drafter's kernels."""
-    for module in drafter.modules():
-        module.__dict__.pop("cpu_kernel", None)
-    drafter.__dict__.pop("cpu_kernels_target", None)
-    drafter.__dict__.pop("head_kernel", None)

@@ -2,8 +2,8 @@
 runtime and the drafters (whose layers have the target family's shape).
 
 Linear layers compute `x @ W.T` through `linear()`: `F.linear`, except for
-2-3 input rows and a row-major weight, where its MKL path is slow on CPU and
-`W @ x.T` is used instead (see the notes in docs/BENCHMARKS.md and
+2-3 input rows, where its MKL path is slow on CPU and `W @ x.T` is used
+instead (see the notes in docs/BENCHMARKS.md and
 docs/DRAFTING.md). Served models on a CPU use the C kernel of `cpu_kernels.py`
 instead, for 1-32 rows.
 """
@@ -18,22 +18,27 @@ from torch import nn
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight.T (+ bias) for x [..., in], weight [out, in]."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if not 2 <= rows <= 3 or not weight.is_contiguous():  # W @ x.T is very slow on a column-major W
+    if not 2 <= rows <= 3:
         return F.linear(x, weight, bias)
     # contiguous: a transposed [rows, out] result makes the next matmul that reads it slow
     y = (weight @ x.reshape(-1, x.shape[-1]).T).T.contiguous().reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 
 
+def project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x @ module.weight.T (+ module.bias): through the CPU kernel attached to the module for
+    serving (`dspark.models.cpu_kernels`) when it has one, else through `linear()`."""
+    kernel = module.__dict__.get("cpu_kernel")
+    if kernel is not None:
+        return kernel(x, module.bias)
+    return linear(x, module.weight, module.bias)
+
+
 class Linear(nn.Linear):
-    """nn.Linear whose forward uses `linear()` (or the CPU kernel `dspark.models.cpu_kernels`
-    attached to it for serving); same parameter names as HF."""
+    """nn.Linear whose forward is `project()`; same parameter names as HF."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        kernel = self.__dict__.get("cpu_kernel")
-        if kernel is not None:
-            return kernel(x, self.bias)
-        return linear(x, self.weight, self.bias)
+        return project(self, x)
 
 
 class RMSNorm(nn.Module):

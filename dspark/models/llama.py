@@ -27,18 +27,8 @@ from torch import nn
 
 from dspark.models.config import TargetConfig
 from dspark.models.kv_cache import KVCache
-from dspark.models.layers import RMSNorm, linear, rope_cos_sin
+from dspark.models.layers import RMSNorm, linear, project, rope_cos_sin
 from dspark.types import RaggedBatch, TargetOutput
-
-
-
-
-def _project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """x @ module.weight.T (+ bias), through the module's CPU kernel when it has one."""
-    kernel = module.__dict__.get("cpu_kernel")
-    if kernel is not None:
-        return kernel(x, module.bias)
-    return linear(x, module.weight, module.bias)
 
 
 def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -117,14 +107,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, plan: AttentionPlan, cache: KVCache, layer: int) -> torch.Tensor:
         """x [N, D] -> attention output [N, D]; writes the new keys/values into `cache`."""
         n, h, hkv, hd = x.shape[0], self.heads, self.kv_heads, self.head_dim
-        qkv = _project(self.qkv_proj, x).view(n, h + 2 * hkv, hd)
+        qkv = project(self.qkv_proj, x).view(n, h + 2 * hkv, hd)
         qk = qkv[:, : h + hkv]
         if self.q_norm is not None:
             qk = torch.cat([_norm(self.q_norm, qk[:, :h]), _norm(self.k_norm, qk[:, h:])], dim=1)
         qk = _rope(qk, plan)  # [N, H + Hkv, hd]
         cache.write(layer, plan.write_index, qk[:, h:].reshape(-1, hd), qkv[:, h + hkv :].reshape(-1, hd))
         out = _ragged_attention(qk[:, :h], cache, layer, plan, hkv)  # [N, H * hd]
-        return _project(self.o_proj, out)
+        return project(self.o_proj, out)
 
 
 def _rope(x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
@@ -180,9 +170,9 @@ class MLP(nn.Module):
         _split_rows(state, prefix, MLP._names, module.gate_up_proj.sizes, "gate_up_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = _project(self.gate_up_proj, x)
+        gate_up = project(self.gate_up_proj, x)
         gate, up = gate_up[..., : self.inner], gate_up[..., self.inner :]
-        return _project(self.down_proj, F.silu(gate) * up)
+        return project(self.down_proj, F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
