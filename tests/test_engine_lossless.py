@@ -95,10 +95,10 @@ class LyingDrafter(BigramDrafter):
         return proposal
 
 
-def _flat_target():
+def _flat_target(block_quantized: bool = False):
     """The tiny target with its logits scaled down so continuations spread
     over most of the 256 cells (the raw tiny target puts ~all mass on one)."""
-    target = tiny_target(seed=21, vocab_size=VOCAB)
+    target = tiny_target(seed=21, vocab_size=VOCAB, block_quantized=block_quantized)
     with torch.no_grad():
         target.model.norm.weight.mul_(0.08)
     return target
@@ -161,19 +161,22 @@ def test_draft_vocabulary_is_lossless(kind, cfg):
     assert drafter.draft_ids.tolist() == [0, 1, 3, 4, 6]  # the first 5 ranked, sorted
 
 
-@pytest.mark.parametrize("kind", ["bigram", "dspark"])
+@pytest.mark.parametrize("kind", ["bigram", "dspark", "bigram-block-quantized"])
 def test_engine_with_cpu_kernels_matches_target_distribution(kind):
     """The small-row CPU kernel (csrc/rowgemm.c, 1-32 rows) in the loop, in the target and (for
     a learned drafter) in the drafter: 4 requests at a time, so every decode and verification
-    forward has at most 16 rows and runs on it."""
+    forward has at most 16 rows and runs on it. "block-quantized": a target whose weights lie on
+    the Q4_1 / Q8_0 grids, as the embedded model's do, served from 4- and 8-bit records."""
     from dspark.draft.factory import build_drafter
     from dspark.models.cpu_kernels import cpu_kernels_available, enable_cpu_kernels, enable_drafter_cpu_kernels
 
     if not cpu_kernels_available():
         pytest.skip("the CPU kernel is unavailable here")
-    target = _flat_target()
+    target = _flat_target(block_quantized=kind == "bigram-block-quantized")
     assert enable_cpu_kernels(target)
-    if kind == "bigram":
+    if kind == "bigram-block-quantized":
+        assert target.model.layers[0].mlp.down_proj.cpu_kernel.format == "q4" and target.head_kernel.format == "q8"
+    if kind.startswith("bigram"):
         drafter = BigramDrafter(VOCAB, block_size=3, seed=4, sharpness=1.5)
     else:
         drafter = build_drafter("dspark", target.config, target.embed_tokens, target.lm_head_weight, seed=3,

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from dspark.models import cpu_kernels
 from dspark.models.cpu_kernels import CpuKernel, disable_cpu_kernels, enable_cpu_kernels, load_rowgemm
-from dspark.models.tiny import tiny_state_dict, tiny_target
+from dspark.models.tiny import round_to_block_grid, tiny_state_dict, tiny_target
 from dspark.types import RaggedBatch
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.cpu_kernels_available(), reason=cpu_kernels.cpu_kernels_status())
@@ -43,8 +43,8 @@ def test_float16_panels_give_the_float32_panels_results_bit_for_bit(rows: int) -
     gen = torch.Generator().manual_seed(rows)
     weight = (torch.randn(136, 88, generator=gen) * 0.05).half().float()
     bias, x = torch.randn(136, generator=gen), torch.randn(rows, 88, generator=gen)
-    half, full = _kernel(weight), CpuKernel(weight, cpu_kernels.rowgemm()[0], allow_float16=False)
-    assert half.panels.dtype == torch.float16 and full.panels.dtype == torch.float32
+    half, full = _kernel(weight), CpuKernel(weight, cpu_kernels.rowgemm()[0], formats=())
+    assert (half.format, half.panels.dtype) == ("f16", torch.float16) and full.format == "f32"
     assert torch.equal(half(x, bias), full(x, bias))
     torch.testing.assert_close(half(x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     assert half.fast_calls == 2
@@ -54,8 +54,85 @@ def test_float16_panels_give_the_float32_panels_results_bit_for_bit(rows: int) -
 def test_weights_not_exact_in_float16_keep_float32_panels() -> None:
     weight = torch.randn(16, 8)
     weight[3, 2] = 1e6  # overflows float16
-    assert _kernel(weight).panels.dtype == torch.float32
-    assert _kernel(torch.randn(16, 8) / 3).panels.dtype == torch.float32  # rounds in float16
+    assert _kernel(weight).format == "f32" and _kernel(weight).panels.dtype == torch.float32
+    assert _kernel(torch.randn(16, 8) / 3).format == "f32"  # rounds in float16
+
+
+def _on_grid(shape: tuple[int, int], grid: str, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return round_to_block_grid(torch.randn(*shape, generator=gen) * 0.2, grid)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 27, 32])
+@pytest.mark.parametrize("grid,fmt", [("q4_1", "q4"), ("q8_0", "q8")])
+def test_block_quantized_records_give_the_float32_panels_results_bit_for_bit(rows: int, grid: str, fmt: str) -> None:
+    """Weights that are exactly a Q4_1 or Q8_0 model's (the embedded target's layers and head)
+    are packed as scales and 4- or 8-bit codes and rebuilt exactly in the kernel: the float32
+    panels' products, bit for bit, from a fifth or a quarter of the bytes."""
+    for shape in ((136, 96), (61, 64), (8, 32)):  # outputs a multiple of 8 or not
+        weight = _on_grid(shape, grid, rows)
+        gen = torch.Generator().manual_seed(rows + 1)
+        bias, x = torch.randn(shape[0], generator=gen), torch.randn(rows, shape[1], generator=gen)
+        packed, full = _kernel(weight), CpuKernel(weight, cpu_kernels.rowgemm()[0], formats=())
+        assert (packed.format, full.format) == (fmt, "f32")
+        assert packed.panels.numel() < full.panels.numel() * 4 * (0.3 if fmt == "q8" else 0.2)  # bytes
+        assert torch.equal(packed(x, bias), full(x, bias)) and torch.equal(packed(x), full(x))
+        torch.testing.assert_close(packed(x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_compact_forms_are_used_only_when_they_rebuild_every_weight_exactly() -> None:
+    q4 = _on_grid((24, 64), "q4_1", 0)
+    assert _kernel(q4).format == "q4"
+    assert _kernel(_on_grid((24, 64), "q8_0", 0)).format == "q8"
+    assert _kernel(torch.zeros(24, 64)).format == "q4"  # flat blocks: d = 0
+    flat = q4.clone()
+    flat[3, 32:] = 0.25  # one constant block among ordinary ones
+    assert _kernel(flat).format == "q4"
+    nudged = q4.clone()
+    nudged[5, 7] = torch.nextafter(nudged[5, 7], torch.tensor(1.0))  # one weight off the grid by one ulp
+    assert _kernel(nudged).format == "f32"
+    assert _kernel(_on_grid((24, 64), "q4_1", 0)[:, :48]).format == "f32"  # 48 inputs: no whole blocks
+    assert _kernel(torch.full((8, 64), float("nan"))).format == "f32"
+    codes = torch.randint(0, 16, (8, 64))
+    codes[:, 0::32], codes[:, 1::32] = 0, 15  # each block spans 0..15, as llama.cpp's quantizer makes it
+    q4_in_half = codes.float() * 0.125 - 1  # on both grids: exact in float16 too
+    assert _kernel(q4_in_half).format == "q4"
+    assert CpuKernel(q4_in_half, cpu_kernels.rowgemm()[0], formats=("f16",)).format == "f16"
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["q4", "q8", "f16", "f32"])
+def test_results_do_not_depend_on_the_thread_count(fmt: str) -> None:
+    """The panels are split between threads; each output is still one FMA chain."""
+    weight = {"q4": _on_grid((200, 96), "q4_1", 1), "q8": _on_grid((200, 96), "q8_0", 1),
+              "f16": torch.randn(200, 96).half().float(), "f32": torch.randn(200, 96)}[fmt]
+    kernel, x = _kernel(weight), torch.randn(11, 96)
+    assert kernel.format == fmt
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(kernel(x))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+@needs_kernel
+@pytest.mark.parametrize("tied", [True, False])
+def test_block_quantized_model_uses_the_compact_forms_and_matches_the_model_without(tied: bool) -> None:
+    plain = tiny_target(4, block_quantized=True, tie_word_embeddings=tied)
+    fast = tiny_target(4, block_quantized=True, tie_word_embeddings=tied)
+    assert enable_cpu_kernels(fast)
+    assert {m.cpu_kernel.format for m in cpu_kernels.target_linears(fast)} == {"q4"}
+    assert fast.head_kernel.format == "q8"
+    seq, verify = [5, 9, 2, 7, 7, 1, 30, 4], [11, 3, 8, 2, 6, 1]
+    for a, b in zip(_forward_logits(plain, seq, verify), _forward_logits(fast, seq, verify)):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
 @needs_kernel

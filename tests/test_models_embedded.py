@@ -50,3 +50,16 @@ def test_embedded_target_matches_transformers(smollm) -> None:
     torch.testing.assert_close(step.logits[:4], ref[101:105], atol=2e-3, rtol=0)
     torch.testing.assert_close(step.logits[4:], ref_other[len(other) :], atol=2e-3, rtol=0)
     assert torch.equal(step.logits[:4].argmax(-1), ref[101:105].argmax(-1))
+
+
+def test_embedded_target_is_served_from_its_gguf_blocks(smollm) -> None:
+    """The GGUF stores Q4_1 layers and a Q8_0 embedding (the tied LM head): the float32 copy
+    holds exactly those values, so the CPU kernel serves them from 4- and 8-bit records (the
+    parity test above then runs on them for its decode and verification steps)."""
+    from dspark.models.cpu_kernels import cpu_kernels_available, has_cpu_kernels, target_linears
+
+    if not cpu_kernels_available():
+        pytest.skip("the CPU kernel is unavailable here")
+    assert has_cpu_kernels(smollm.model)
+    assert {m.cpu_kernel.format for m in target_linears(smollm.model)} == {"q4"}
+    assert smollm.model.head_kernel.format == "q8"

@@ -116,7 +116,7 @@ def hardware_id(device: torch.device | str = "cpu") -> str:
 
 # bumped when a change to the runtime or the drafters changes step times, so that profiles
 # cached by an older dspark are measured again instead of reused
-RUNTIME_REVISION = 3
+RUNTIME_REVISION = 4
 
 
 def profile_key(

@@ -9,14 +9,30 @@ twice a 1-row one, 3 rows more than 4.
 
 `csrc/rowgemm.c` is a small AVX2/FMA kernel for 1-32 rows that reads each
 weight once per call from a copy packed in panels of 8 outputs (one
-contiguous stream), with the partial sums of up to 8 rows in registers. On
-the embedded target its products for 1, 2, 4 and 8 rows cost about 28, 32,
-36 and 56 ms against 42, 80, 93 and 103 ms through `F.linear` (one thread).
-Each output is one FMA chain over the input index whatever the number of
-rows, so a row's result never depends on the other rows of the call. A
-weight whose float32 values are all exact float16 numbers (a drafter loaded
-from its float16 checkpoint) is packed in float16 and widened on load: the
-same products, bit for bit, from half the bytes.
+contiguous stream), with the partial sums of up to 8 rows in registers. Each
+output is one FMA chain over the input index whatever the number of rows or
+threads, so a row's result never depends on the other rows of the call.
+
+The packed copy takes the fewest bytes that rebuild every float32 weight
+exactly (`PACKERS`, checked with the kernel's own arithmetic at packing time):
+
+- q4, 0.75 bytes a weight: every block of 32 inputs is q * d + m with 4-bit
+  codes, as in a model converted from a Q4_1 GGUF, such as the embedded
+  SmolLM2's decoder layers;
+- q8, 1.125 bytes: q * d with 8-bit codes (Q8_0; the embedded model's
+  embeddings, hence its tied LM head);
+- f16, 2 bytes: values exact in float16 (a drafter from its float16 checkpoint);
+- f32, 4 bytes: anything else.
+
+The kernel rebuilds the float32 weight in registers and then does the very
+FMA of the f32 path, so all four give bit-identical results; the compact ones
+just read a fifth, a quarter or half of the bytes. On the embedded target a
+decode step's matmuls take about 13 ms against 46 ms through `F.linear`.
+
+With GCC the kernel is built with OpenMP, and then links torch's own libgomp
+(same soname, already loaded) and splits the panels over
+`torch.get_num_threads()` threads of torch's pool; with any other compiler it
+runs on one thread.
 
 The kernel is compiled once with the system C compiler (`$CC`, else `cc`)
 into `<dspark home>/kernels/` on first use. Without a compiler or on a CPU
@@ -25,14 +41,16 @@ without AVX2 and FMA nothing changes: the model runs `F.linear` as before
 `--no-cpu-kernel`).
 
 `enable_cpu_kernels(model)` gives each decoder-layer linear and the LM head a
-`CpuKernel` holding the packed copy (memory: about twice the weights);
-`enable_drafter_cpu_kernels(drafter, model)` does the same for a drafter's
-linear layers and its (draft-vocabulary) LM head, for serving. A
-kernel answers only for float32 CPU inputs and only while its weight is the
-one it packed: after `load_state_dict`, `.to()` or any in-place change it
-steps aside (`linear` computes the result), so it can make a forward slower,
-never wrong. It also steps aside whenever autograd would need it (training). Results differ from `F.linear` by float32 rounding only (another
-summation order), as `F.linear`'s own kernels differ between row counts.
+`CpuKernel` holding the packed copy (memory: from a fifth of the weights, for
+the embedded target, to as much again); `enable_drafter_cpu_kernels(drafter,
+model)` does the same for a drafter's linear layers and its
+(draft-vocabulary) LM head, for serving. A kernel answers only for float32
+CPU inputs and only while its weight is the one it packed: after
+`load_state_dict`, `.to()` or any in-place change it steps aside (`linear`
+computes the result), so it can make a forward slower, never wrong. It also
+steps aside whenever autograd would need it (training). Results differ from
+`F.linear` by float32 rounding only (another summation order), as
+`F.linear`'s own kernels differ between row counts.
 """
 
 from __future__ import annotations
@@ -60,14 +78,27 @@ CFLAGS = ("-O2", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-
 
 @dataclass(frozen=True)
 class RowGemm:
-    """The compiled entry points: y = x @ W.T from float32 panels, or from float16 panels."""
+    """The compiled entry points: y = x @ W.T from float32 panels, float16 panels, or
+    block-quantized records (see `PACKERS`)."""
 
     f32: object  # dspark_rowgemm(x, panels, bias, y, rows, in, out)
     f16: object  # dspark_rowgemm_f16(...), panels of float16 bits
+    q4: object  # dspark_rowgemm_q4(...), Q4_1-style records (`pack_q4`)
+    q8: object  # dspark_rowgemm_q8(...), Q8_0-style records (`pack_q8`)
+    threaded: bool = False  # built with OpenMP: calls split the panels over torch.get_num_threads() threads
 
 
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _openmp_flags(cc_version: str) -> tuple[str, ...]:
+    """("-fopenmp",) when the compiler is GCC and torch runs on OpenMP: the kernel then loads
+    torch's own libgomp (same soname, already in the process) and shares its thread pool. Any
+    other OpenMP runtime would start a second pool fighting torch's threads for the cores, so
+    the kernel then stays single-threaded."""
+    gcc = "Free Software Foundation" in cc_version and "clang" not in cc_version.lower()
+    return ("-fopenmp",) if gcc and "ATen parallel backend: OpenMP" in torch.__config__.parallel_info() else ()
 
 
 def _build(cc: str, home: str | Path | None) -> Path:
@@ -75,13 +106,14 @@ def _build(cc: str, home: str | Path | None) -> Path:
     from dspark.models.embedded import dspark_home
 
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    digest = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(CFLAGS), version]).encode()).hexdigest()[:16]
+    flags = CFLAGS + _openmp_flags(version)
+    digest = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(flags), version]).encode()).hexdigest()[:16]
     out = dspark_home(home) / "kernels" / f"rowgemm-{digest}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    done = subprocess.run([cc, *CFLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
         raise RuntimeError(f"{cc} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
@@ -103,10 +135,12 @@ def load_rowgemm(cc: str | None = None, home: str | Path | None = None) -> tuple
         library = ctypes.CDLL(str(_build(cc, home)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         return None, f"off (building {SOURCE.name} failed: {err})"
-    for fn in (library.dspark_rowgemm, library.dspark_rowgemm_f16):
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+    fns = {kind: getattr(library, "dspark_rowgemm" + suffix) for kind, suffix in
+           (("f32", ""), ("f16", "_f16"), ("q4", "_q4"), ("q8", "_q8"))}
+    for fn in fns.values():
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4
         fn.restype = None
-    return RowGemm(f32=library.dspark_rowgemm, f16=library.dspark_rowgemm_f16), ""
+    return RowGemm(**fns, threaded=bool(library.dspark_rowgemm_openmp())), ""
 
 
 @lru_cache(maxsize=1)
@@ -118,7 +152,9 @@ def rowgemm() -> tuple[RowGemm | None, str]:
 def cpu_kernels_status() -> str:
     """One line for logs and benchmark headers: on, or off and why."""
     fn, why = rowgemm()
-    return f"on ({SOURCE.name}, 1-{MAX_ROWS} rows)" if fn is not None else why
+    if fn is None:
+        return why
+    return f"on ({SOURCE.name}, 1-{MAX_ROWS} rows, {'OpenMP threads' if fn.threaded else 'one thread'})"
 
 
 def cpu_kernels_available() -> bool:
@@ -139,17 +175,94 @@ def exact_in_float16(weight: torch.Tensor) -> bool:
     return bool(torch.equal(weight.detach().half().float(), weight.detach()))
 
 
-class CpuKernel:
-    """y = x @ weight.T (+ bias) for a fixed float32 CPU weight [out, in], 1-32 rows in C
-    (from float16 panels when the weight is exact in float16, else from float32 panels)."""
+QBLOCK = 32  # inputs per block of a block-quantized record
 
-    def __init__(self, weight: torch.Tensor, kernels: RowGemm, *, allow_float16: bool = True) -> None:
+
+def _padded_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """[out, in] -> [ceil(out / 8) * 8, in / 32, 32] (zero rows appended), None when in % 32 != 0."""
+    out, n = weight.shape
+    if n == 0 or n % QBLOCK:
+        return None
+    padded = torch.zeros(-(-out // PANEL) * PANEL, n, dtype=torch.float32)
+    padded[:out] = weight.detach()
+    return padded.view(-1, n // QBLOCK, QBLOCK)
+
+
+def _records(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Per-(row, block) scales [rows, blocks, 1] float32 and codes [rows, blocks, C] uint8 ->
+    records [panels, blocks, 32 * len(scales) + 8 * C] bytes, panel p holding rows 8p..8p+7."""
+    rows, blocks = parts[0].shape[:2]
+    out = []
+    for part in parts:
+        width = part.shape[-1]
+        part = part.contiguous().view(torch.uint8) if part.dtype == torch.float32 else part
+        # [rows, blocks, width(, 4 bytes)] -> [panels, blocks, width, 8 rows(, 4 bytes)]
+        grouped = part.reshape(rows // PANEL, PANEL, blocks, width, -1).permute(0, 2, 3, 1, 4)
+        out.append(grouped.reshape(rows // PANEL, blocks, -1))
+    return torch.cat(out, dim=-1).contiguous()
+
+
+def pack_q4(weight: torch.Tensor) -> torch.Tensor | None:
+    """Records for `dspark_rowgemm_q4` when every block of 32 inputs of every row is exactly
+    w = q * d + m (q in 0..15, float32 product then sum), as in a model dequantized from Q4_1;
+    else None. d and m come from the block's minimum and range, and the check is the kernel's
+    own arithmetic, so the kernel rebuilds every weight bit for bit."""
+    blocks = _padded_blocks(weight)
+    if blocks is None:
+        return None
+    low = blocks.amin(-1, keepdim=True)
+    span = blocks - low
+    step = (span.amax(-1, keepdim=True) / 15).half().float()  # Q4_1 stores d as float16
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    codes = torch.where(step > 0, span / safe, torch.zeros_like(span)).round_().clamp_(0, 15)
+    if not torch.equal(codes * step + low, blocks):
+        return None
+    nibbles = codes.to(torch.uint8)
+    pairs = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)  # byte j: inputs 2j (low) and 2j+1
+    return _records([step, low, pairs])
+
+
+def pack_q8(weight: torch.Tensor) -> torch.Tensor | None:
+    """Records for `dspark_rowgemm_q8` when every block of 32 inputs of every row is exactly
+    w = q * d (q in -128..127), as in a model dequantized from Q8_0; else None."""
+    blocks = _padded_blocks(weight)
+    if blocks is None:
+        return None
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    codes = torch.where(step > 0, blocks / safe, torch.zeros_like(blocks)).round_().clamp_(-128, 127)
+    if not torch.equal(codes * step, blocks):
+        return None
+    return _records([step, codes.to(torch.int8).view(torch.uint8)])
+
+
+def pack_float16(weight: torch.Tensor) -> torch.Tensor | None:
+    """Float16 panels when every value is exact in float16, else None."""
+    return pack_panels(weight).half() if exact_in_float16(weight) else None
+
+
+# the packed forms a kernel tries, fewest bytes per weight first (float32 panels are the fallback):
+# q4 0.75, q8 1.125, f16 2, f32 4
+PACKERS = {"q4": pack_q4, "q8": pack_q8, "f16": pack_float16}
+
+
+class CpuKernel:
+    """y = x @ weight.T (+ bias) for a fixed float32 CPU weight [out, in], 1-32 rows in C, from
+    the most compact packed copy that rebuilds the weight exactly (`PACKERS`), else float32 panels.
+    `formats` limits the compact forms tried (all of them by default)."""
+
+    def __init__(self, weight: torch.Tensor, kernels: RowGemm, *, formats: tuple[str, ...] = tuple(PACKERS)) -> None:
         self.weight = weight
-        panels = pack_panels(weight)
-        if allow_float16 and exact_in_float16(weight):
-            self.panels, self._fn = panels.half(), kernels.f16
-        else:
-            self.panels, self._fn = panels, kernels.f32
+        self.format, self.panels = "f32", None
+        for name in formats:
+            packed = PACKERS[name](weight)
+            if packed is not None:
+                self.format, self.panels = name, packed
+                break
+        if self.panels is None:
+            self.panels = pack_panels(weight)
+        self._fn = getattr(kernels, self.format)
+        self._threaded = kernels.threaded
         self._stamp = self._current_stamp()
         self.fast_calls = 0  # products the kernel computed (the rest went through `linear`)
 
@@ -174,7 +287,8 @@ class CpuKernel:
         flat = x.reshape(rows, n).contiguous()
         b = None if bias is None else bias.detach().contiguous()
         y = torch.empty(rows, out, dtype=torch.float32)
-        self._fn(flat.data_ptr(), self.panels.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), rows, n, out)
+        threads = torch.get_num_threads() if self._threaded else 1
+        self._fn(flat.data_ptr(), self.panels.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), rows, n, out, threads)
         self.fast_calls += 1
         return y.reshape(*x.shape[:-1], out)
 

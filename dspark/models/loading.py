@@ -46,7 +46,8 @@ def load_target(
     """Load a target folder; `path=None` loads the embedded SmolLM2 (converting it once).
 
     cpu_kernels: give a float32 model the small-row CPU matmul kernel of
-    `dspark.models.cpu_kernels` (about twice the weights' memory). Pass False for a model that
+    `dspark.models.cpu_kernels` (a packed copy of the weights: a fifth of their memory for the
+    embedded model, as much again for others). Pass False for a model that
     will move to a GPU, or to run torch's own matmuls (the CLI's `--no-cpu-kernel`)."""
     folder = ensure_embedded_target(home) if path is None else Path(path).expanduser()
     config = read_target_config(folder)

@@ -67,11 +67,40 @@ def tiny_state_dict(config: TargetConfig, seed: int = 0) -> dict[str, torch.Tens
     return state
 
 
-def tiny_target(seed: int = 0, **kw) -> TargetModel:
-    """A tiny TargetModel (float32, eval mode); keyword arguments go to `tiny_config`."""
+def round_to_block_grid(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """`weight` [out, in] (in a multiple of 32) as a GGUF model dequantized to float32 holds it:
+    each block of 32 inputs quantized the way llama.cpp does, then rebuilt in float32.
+    kind "q4_1": w = q * d + m, q in 0..15, d = (max - min) / 15 and m = min stored as float16;
+    kind "q8_0": w = q * d, q in -127..127, d = max|x| / 127 stored as float16."""
+    out, n = weight.shape
+    blocks = weight.detach().float().reshape(out, n // 32, 32)
+    if kind == "q4_1":
+        low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+        step = (high - low) / 15
+        codes = torch.where(step > 0, (blocks - low) / step.clamp_min(1e-30), 0).round().clamp(0, 15)
+        rebuilt = codes * step.half().float() + low.half().float()
+    elif kind == "q8_0":
+        step = blocks.abs().amax(-1, keepdim=True) / 127
+        codes = torch.where(step > 0, blocks / step.clamp_min(1e-30), 0).round().clamp(-127, 127)
+        rebuilt = codes * step.half().float()
+    else:
+        raise ValueError(f"unknown block grid {kind!r}: use 'q4_1' or 'q8_0'")
+    return rebuilt.reshape(out, n)
+
+
+def tiny_target(seed: int = 0, *, block_quantized: bool = False, **kw) -> TargetModel:
+    """A tiny TargetModel (float32, eval mode); keyword arguments go to `tiny_config`.
+    block_quantized: put the weights on the grids of the embedded GGUF model (every linear on
+    Q4_1's, the embeddings and LM head on Q8_0's), as a quantized model converted to float32."""
     config = tiny_config(**kw)
     model = TargetModel(config)
-    model.load_state_dict(tiny_state_dict(config, seed))
+    state = tiny_state_dict(config, seed)
+    if block_quantized:
+        for name, value in state.items():
+            if value.dim() == 2:
+                grid = "q8_0" if name.endswith(("embed_tokens.weight", "lm_head.weight")) else "q4_1"
+                state[name] = round_to_block_grid(value, grid)
+    model.load_state_dict(state)
     return model.eval()
 
 

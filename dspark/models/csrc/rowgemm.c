@@ -12,11 +12,26 @@
  * such as a drafter loaded from a float16 checkpoint: the same float32 products from half the
  * bytes, so both entry points give bit-identical results for such weights.
  *
+ * Two more weight types hold weights that are exactly those of a block-quantized model (such as
+ * the embedded target, whose GGUF stores Q4_1 layers and a Q8_0 embedding): per panel and block
+ * of 32 inputs, a record of float32 scales and small integer codes, from which the kernel
+ * rebuilds each float32 weight exactly before the same FMA:
+ *   q4 (dspark_rowgemm_q4): w = q * d + m, q in 0..15; record = d[8], m[8] (float32), then for
+ *      each pair of inputs (2j, 2j+1) 8 bytes, one per output, low nibble for input 2j;
+ *   q8 (dspark_rowgemm_q8): w = q * d, q in -128..127; record = d[8] (float32), then for each
+ *      input 8 signed bytes, one per output.
+ * The products and sums are float32 operations done one at a time (no contraction), exactly as
+ * torch computes them when cpu_kernels.py checks that the codes rebuild the weight bit for bit,
+ * so these entry points give the same results as the float32 one from a fifth or a quarter of
+ * the bytes.
+ *
  * Each output y[m][o] is one FMA chain over i = 0 .. in-1 (then the bias): the same operations
  * whatever the number of rows, so a row's result does not depend on the other rows of the call.
  *
  * Built by dspark/models/cpu_kernels.py with:
- *     cc -O2 -mavx2 -mfma -mf16c -ffp-contract=off -shared -fPIC
+ *     cc -O2 -mavx2 -mfma -mf16c -ffp-contract=off -shared -fPIC [-fopenmp]
+ * -fopenmp only with GCC: the library then shares torch's libgomp (same soname, already loaded),
+ * hence torch's thread pool, rather than starting a second pool that would fight it for cores.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -71,6 +86,32 @@ static inline void store(float *dst, __m256 v, const float *bias, int n)
         for (; p < p1; p++) block_##T##_##M##_1(x, wp, b, y, in, out, p);                   \
     }
 
+/* the entry point of one weight type: y [rows, out] = x [rows, in] @ W.T (+ b [out] or NULL),
+ * all contiguous. The panels are split evenly between `threads` OpenMP threads (the pool torch
+ * itself uses, when built with -fopenmp; one thread otherwise); each thread walks its share in
+ * tiles of panels small enough to stay in the L2 cache while every group of 8 rows passes */
+#define ENTRY(T, TY, NAME, PANEL_BYTES)                                                            \
+    void NAME(const float *x, const TY *wp, const float *b, float *y, long rows, long in, long out, \
+              long threads)                                                                        \
+    {                                                                                              \
+        long panels = (out + 7) / 8;                                                               \
+        long tile = TILE_BYTES / (PANEL_BYTES);                                                    \
+        if (tile < 4) tile = 4;                                                                    \
+        if (threads > panels) threads = panels;                                                    \
+        if (threads < 1) threads = 1;                                                              \
+        _Pragma("omp parallel for num_threads(threads) schedule(static, 1)")                       \
+        for (long t = 0; t < threads; t++) {                                                       \
+            long first = panels * t / threads, last = panels * (t + 1) / threads;                  \
+            for (long p0 = first; p0 < last; p0 += tile) {                                         \
+                long p1 = p0 + tile < last ? p0 + tile : last;                                     \
+                for (long m0 = 0; m0 < rows; m0 += ROW_GROUP) {                                    \
+                    long m = rows - m0 < ROW_GROUP ? rows - m0 : ROW_GROUP;                        \
+                    SPANS_##T[m](x + m0 * in, wp, b, y + m0 * out, in, out, p0, p1);               \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
 /* every block and span of one weight type, the span table, and the entry point:
  * x [rows, in], wp [ceil(out / 8), in, 8] (zero-padded), b [out] or NULL, y [rows, out];
  * all contiguous */
@@ -85,19 +126,92 @@ static inline void store(float *dst, __m256 v, const float *bias, int n)
                                   long, long);                                                     \
     static const span_##T##_fn SPANS_##T[ROW_GROUP + 1] = {0, span_##T##_1, span_##T##_2,          \
         span_##T##_3, span_##T##_4, span_##T##_5, span_##T##_6, span_##T##_7, span_##T##_8};       \
-    void NAME(const float *x, const TY *wp, const float *b, float *y, long rows, long in, long out) \
-    {                                                                                              \
-        long panels = (out + 7) / 8;                                                               \
-        long tile = TILE_BYTES / (in * 8 * (long)sizeof(TY));                                      \
-        if (tile < 4) tile = 4;                                                                    \
-        for (long p0 = 0; p0 < panels; p0 += tile) {                                               \
-            long p1 = p0 + tile < panels ? p0 + tile : panels;                                     \
-            for (long m0 = 0; m0 < rows; m0 += ROW_GROUP) {                                        \
-                long m = rows - m0 < ROW_GROUP ? rows - m0 : ROW_GROUP;                            \
-                SPANS_##T[m](x + m0 * in, wp, b, y + m0 * out, in, out, p0, p1);                   \
-            }                                                                                      \
-        }                                                                                          \
-    }
+    ENTRY(T, TY, NAME, in * 8 * (long)sizeof(TY))
 
 KERNEL(f32, float, dspark_rowgemm)
 KERNEL(f16, uint16_t, dspark_rowgemm_f16)
+
+/* 1 when built with OpenMP (the entry points use `threads` threads), else 0 (one thread) */
+int dspark_rowgemm_openmp(void)
+{
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ---- block-quantized panels: records of 32 inputs x 8 outputs ---- */
+
+#define QBLOCK_INPUTS 32
+#define RECORD_q4 192 /* 8 d + 8 m float32, 16 x 8 code bytes */
+#define RECORD_q8 288 /* 8 d float32, 32 x 8 code bytes */
+
+/* the weights of inputs 2j and 2j+1 for the record's 8 outputs */
+static inline __attribute__((always_inline)) void pair_q4(const uint8_t *rec, int j, __m256 *w0, __m256 *w1)
+{
+    __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rec + 64 + 8 * j)));
+    __m256 d = _mm256_loadu_ps((const float *)rec), m = _mm256_loadu_ps((const float *)(rec + 32));
+    __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(codes, _mm256_set1_epi32(15)));
+    __m256 q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(codes, 4));
+    *w0 = _mm256_add_ps(_mm256_mul_ps(q0, d), m);
+    *w1 = _mm256_add_ps(_mm256_mul_ps(q1, d), m);
+}
+
+static inline __attribute__((always_inline)) void pair_q8(const uint8_t *rec, int j, __m256 *w0, __m256 *w1)
+{
+    __m256 d = _mm256_loadu_ps((const float *)rec);
+    const uint8_t *codes = rec + 32 + 16 * j;
+    *w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)codes))), d);
+    *w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8)))), d);
+}
+
+/* as BLOCK, from records: panel p's records for blocks 0 .. in/32-1 are contiguous; each
+ * accumulator takes input i then i+1, so the FMA chain is the float32 kernel's */
+#define QBLOCK(T, M, PB)                                                                           \
+    static inline __attribute__((always_inline)) void block_##T##_##M##_##PB(                     \
+        const float *x, const uint8_t *wp, const float *b, float *y, long in, long out, long p) {  \
+        __m256 acc[M][PB];                                                                         \
+        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                        \
+            _Pragma("GCC unroll 8") for (int q = 0; q < PB; q++) acc[m][q] = _mm256_setzero_ps();  \
+        long blocks = in / QBLOCK_INPUTS;                                                          \
+        for (long k = 0; k < blocks; k++) {                                                        \
+            const float *xk = x + k * QBLOCK_INPUTS;                                               \
+            for (int j = 0; j < QBLOCK_INPUTS / 2; j++) {                                          \
+                _Pragma("GCC unroll 8") for (int q = 0; q < PB; q++) {                             \
+                    __m256 w0, w1;                                                                 \
+                    pair_##T(wp + ((p + q) * blocks + k) * RECORD_##T, j, &w0, &w1);               \
+                    _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) {                          \
+                        acc[m][q] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xk + m * in + 2 * j),  \
+                                                    acc[m][q]);                                    \
+                        acc[m][q] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xk + m * in + 2 * j + 1), \
+                                                    acc[m][q]);                                    \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int q = 0; q < PB; q++) {                                     \
+            long o = (p + q) * 8;                                                                  \
+            int n = out - o < 8 ? (int)(out - o) : 8;                                              \
+            _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                    \
+                store(y + m * out + o, acc[m][q], b ? b + o : 0, n);                               \
+        }                                                                                          \
+    }
+
+/* x [rows, in] (in a multiple of 32), wp [ceil(out / 8)][in / 32][record], b [out] or NULL,
+ * y [rows, out] */
+#define QKERNEL(T, NAME)                                                                           \
+    QBLOCK(T, 1, 1) QBLOCK(T, 2, 1) QBLOCK(T, 3, 1) QBLOCK(T, 4, 1)                                \
+    QBLOCK(T, 5, 1) QBLOCK(T, 6, 1) QBLOCK(T, 7, 1) QBLOCK(T, 8, 1)                                \
+    QBLOCK(T, 1, 8) QBLOCK(T, 2, 4) QBLOCK(T, 3, 3) QBLOCK(T, 4, 2)                                \
+    QBLOCK(T, 5, 2) QBLOCK(T, 6, 2)                                                                \
+    SPAN(T, uint8_t, 1, 8) SPAN(T, uint8_t, 2, 4) SPAN(T, uint8_t, 3, 3) SPAN(T, uint8_t, 4, 2)    \
+    SPAN(T, uint8_t, 5, 2) SPAN(T, uint8_t, 6, 2) SPAN(T, uint8_t, 7, 1) SPAN(T, uint8_t, 8, 1)    \
+    typedef void (*span_##T##_fn)(const float *, const uint8_t *, const float *, float *, long,    \
+                                  long, long, long);                                               \
+    static const span_##T##_fn SPANS_##T[ROW_GROUP + 1] = {0, span_##T##_1, span_##T##_2,          \
+        span_##T##_3, span_##T##_4, span_##T##_5, span_##T##_6, span_##T##_7, span_##T##_8};       \
+    ENTRY(T, uint8_t, NAME, (in / QBLOCK_INPUTS) * RECORD_##T)
+
+QKERNEL(q4, dspark_rowgemm_q4)
+QKERNEL(q8, dspark_rowgemm_q8)
