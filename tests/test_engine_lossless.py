@@ -163,7 +163,7 @@ def test_draft_vocabulary_is_lossless(kind, cfg):
 
 @pytest.mark.parametrize("kind", ["bigram", "dspark", "bigram-block-quantized"])
 def test_engine_with_cpu_kernels_matches_target_distribution(kind):
-    """The small-row CPU kernel (csrc/rowgemm.c, 1-32 rows) in the loop, in the target and (for
+    """The small-row CPU kernel (csrc/rowgemm.c, 1-48 rows) in the loop, in the target and (for
     a learned drafter) in the drafter: 4 requests at a time, so every decode and verification
     forward has at most 16 rows and runs on it. "block-quantized": a target whose weights lie on
     the Q4_1 / Q8_0 grids, as the embedded model's do, served from 4- and 8-bit records."""

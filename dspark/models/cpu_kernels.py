@@ -7,7 +7,7 @@ from that bound for such shapes on the CPUs measured here (2-core AMD EPYC
 Zen 3, AVX2, torch 2.13; docs/BENCHMARKS.md): a 2-row product costs about
 twice a 1-row one, 3 rows more than 4.
 
-`csrc/rowgemm.c` is a small AVX2/FMA kernel for 1-32 rows that reads each
+`csrc/rowgemm.c` is a small AVX2/FMA kernel for 1-48 rows that reads each
 weight once per call from a copy packed in panels of 8 outputs (one
 contiguous stream), with the partial sums of up to 8 rows in registers. Each
 output is one FMA chain over the input index whatever the number of rows or
@@ -69,7 +69,7 @@ import torch
 
 from dspark.models.layers import linear
 
-MAX_ROWS = 32  # row counts up to this go through the kernel; more rows are compute-bound: F.linear
+MAX_ROWS = 48  # row counts up to this go through the kernel; from about 64 rows F.linear is as fast (docs/BENCHMARKS.md)
 PANEL = 8  # outputs per packed panel (one AVX2 register of float32)
 SOURCE = Path(__file__).parent / "csrc" / "rowgemm.c"
 # -O2, not -O3: gcc 12 at -O3 spills the accumulators to the stack on every iteration
@@ -247,7 +247,7 @@ PACKERS = {"q4": pack_q4, "q8": pack_q8, "f16": pack_float16}
 
 
 class CpuKernel:
-    """y = x @ weight.T (+ bias) for a fixed float32 CPU weight [out, in], 1-32 rows in C, from
+    """y = x @ weight.T (+ bias) for a fixed float32 CPU weight [out, in], 1-48 rows in C, from
     the most compact packed copy that rebuilds the weight exactly (`PACKERS`), else float32 panels.
     `formats` limits the compact forms tried (all of them by default)."""
 

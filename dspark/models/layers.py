@@ -5,7 +5,7 @@ Linear layers compute `x @ W.T` through `linear()`: `F.linear`, except for
 2-3 input rows, where its MKL path is slow on CPU and `W @ x.T` is used
 instead (see the notes in docs/BENCHMARKS.md and
 docs/DRAFTING.md). Served models on a CPU use the C kernel of `cpu_kernels.py`
-instead, for 1-32 rows.
+instead, for 1-48 rows.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 /* y = x @ W.T (+ b) in float32 for a few rows of x (AVX2 + FMA), W packed in panels.
  *
- * Decoding and verification multiply 1-32 rows by each weight matrix: the cost is reading W
+ * Decoding and verification multiply a few rows by each weight matrix: the cost is reading W
  * from memory. W [out, in] is packed once into panels of 8 outputs, [ceil(out / 8)][in][8], so
  * the kernel reads it as one contiguous stream: for each input index i, one 8-weight load of
  * the panel, one broadcast of x[m][i] per row and one FMA per row into accumulators that hold
