@@ -54,8 +54,13 @@ def main(argv: list[str]) -> None:
     positional, options = [], {"--only": "", "--name": "load_cpu"}
     args = iter(argv)
     for arg in args:
+        if arg in ("-h", "--help"):
+            print(f"usage: python -m dspark.bench.load_docs {main.__doc__.split(' (')[0]}")
+            return
         if arg in options:
             options[arg] = next(args, "")
+        elif arg.startswith("-"):
+            raise SystemExit(f"unknown option {arg}; the options are --only ARM,ARM and --name STEM")
         else:
             positional.append(arg)
     only = [a for a in options["--only"].split(",") if a] or None
