@@ -24,3 +24,8 @@ def test_decode_bench_reports_each_case(tmp_path) -> None:
     assert all(t["ms"] > 0 for t in result["timings"])
     assert printed == [format_table(result)] and "batch 2, q=3" in printed[0]
     assert result["context"] == 16 and result["threads"] == torch.get_num_threads()
+    assert [p["new_tokens"] for p in result["paired"]] == [1]  # head to head: the batch-1 cases
+    pair = result["paired"][0]
+    assert pair["dspark_ms"] > 0 and pair["transformers_ms"] > 0
+    assert abs(pair["ratio"] - pair["dspark_ms"] / pair["transformers_ms"]) < 1e-9
+    assert "Head to head" in printed[0]

@@ -310,3 +310,19 @@ def test_drafter_kernels_step_aside_for_training() -> None:
     x = torch.randn(3, layer.in_features)
     layer(x).sum().backward()  # would raise (no grad_fn) if the C kernel had computed it
     assert layer.weight.grad is not None and layer.cpu_kernel.fast_calls == 0
+
+
+@needs_kernel
+def test_a_threaded_kernel_shares_torchs_openmp_runtime() -> None:
+    """Built with OpenMP, the kernel must run on torch's own libgomp (one thread pool), never
+    on a second runtime whose threads would fight torch's for the cores."""
+    from pathlib import Path
+
+    if not cpu_kernels.rowgemm()[0].threaded:
+        pytest.skip("the kernel was built without OpenMP here (one thread)")
+    maps = Path("/proc/self/maps")
+    if not maps.is_file():
+        pytest.skip("no /proc/self/maps")
+    runtimes = {line.split()[-1] for line in maps.read_text().splitlines()
+                if any(name in line for name in ("libgomp", "libomp", "libiomp"))}
+    assert len(runtimes) == 1, runtimes

@@ -55,12 +55,10 @@ def _prompts(vocab: int, batch: int, context: int) -> torch.Tensor:
     return torch.randint(3, vocab, (batch, context), generator=gen)  # [batch, context]
 
 
-def time_lean(
-    target: LoadedTarget, batch: int, new_tokens: list[int], context: int, repeats: int, warmup: int, clock: str
-) -> dict[int, float]:
-    """Median ms of one ragged forward of `batch` requests x q new tokens at `context`, per q.
-    One request is prefilled; the others get a copy of its cache (the content does not change
-    the cost)."""
+def lean_steps(target: LoadedTarget, batch: int, new_tokens: list[int], context: int) -> dict[int, Callable[[], None]]:
+    """Per q, a callable running one ragged forward of `batch` requests x q new tokens at
+    `context` and rolling the cache back. One request is prefilled; the others get a copy of
+    its cache (the content does not change the cost)."""
     model = target.model
     cache = model.new_cache(batch, context + max(new_tokens))
     slots = [cache.allocate() for _ in range(batch)]
@@ -69,19 +67,26 @@ def time_lean(
         model(RaggedBatch(prompt, slots[:1], [context]), cache, logits_rows=torch.tensor([context - 1]))
     for slot in slots[1:]:
         cache.copy_slot(slots[0], slot)
-    timings = {}
+    steps = {}
     for q in new_tokens:
         tokens = _prompts(target.config.vocab_size, batch, q).reshape(-1)
         step_batch = RaggedBatch(tokens, slots, [q] * batch)
 
-        def step() -> None:
+        def step(step_batch: RaggedBatch = step_batch) -> None:
             with torch.inference_mode():
                 model(step_batch, cache)
             for slot in slots:
                 cache.truncate(slot, context)
 
-        timings[q] = _median_ms(step, repeats, warmup, clock)
-    return timings
+        steps[q] = step
+    return steps
+
+
+def time_lean(
+    target: LoadedTarget, batch: int, new_tokens: list[int], context: int, repeats: int, warmup: int, clock: str
+) -> dict[int, float]:
+    """Median ms of one ragged forward of `batch` requests x q new tokens at `context`, per q."""
+    return {q: _median_ms(step, repeats, warmup, clock) for q, step in lean_steps(target, batch, new_tokens, context).items()}
 
 
 def _projections(model) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
@@ -119,10 +124,8 @@ def time_matmuls_only(
     return timings
 
 
-def time_transformers(
-    hf_model, vocab: int, batch: int, new_tokens: list[int], context: int, repeats: int, warmup: int, clock: str
-) -> dict[int, float]:
-    """The same measurement with transformers' own forward and DynamicCache (equal-length batch)."""
+def transformers_steps(hf_model, vocab: int, batch: int, new_tokens: list[int], context: int) -> dict[int, Callable[[], None]]:
+    """The same steps with transformers' own forward and DynamicCache (equal-length batch)."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
@@ -131,17 +134,41 @@ def time_transformers(
         cache.batch_repeat_interleave(batch)
     if cache.get_seq_length() != context:  # a transformers version that ignores `cache=`
         raise RuntimeError("transformers did not fill the DynamicCache; the comparison would be invalid")
-    timings = {}
+    steps = {}
     for q in new_tokens:
         tokens = _prompts(vocab, batch, q)
 
-        def step() -> None:
+        def step(tokens: torch.Tensor = tokens, q: int = q) -> None:
             with torch.inference_mode():
                 hf_model(tokens, cache=cache, use_cache=True)
             cache.crop(-q)  # transformers 5: a negative count of tokens to drop
 
-        timings[q] = _median_ms(step, repeats, warmup, clock)
-    return timings
+        steps[q] = step
+    return steps
+
+
+def time_transformers(
+    hf_model, vocab: int, batch: int, new_tokens: list[int], context: int, repeats: int, warmup: int, clock: str
+) -> dict[int, float]:
+    """Median ms per q of transformers' forward (see `transformers_steps`)."""
+    steps = transformers_steps(hf_model, vocab, batch, new_tokens, context)
+    return {q: _median_ms(step, repeats, warmup, clock) for q, step in steps.items()}
+
+
+def paired_ms(steps: list[Callable[[], None]], repeats: int, warmup: int, clock: str = "wall") -> list[float]:
+    """Median ms of each step, timed in alternation (A, B, A, B, ...): drift of a shared machine
+    then hits every step alike, so their ratio is steadier than that of separate runs."""
+    now = CLOCKS[clock]
+    for _ in range(warmup):
+        for step in steps:
+            step()
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for step, out in zip(steps, times):
+            t0 = now()
+            step()
+            out.append((now() - t0) * 1e3)
+    return [statistics.median(t) for t in times]
 
 
 def _by_batch(cases: tuple[tuple[int, int], ...]) -> dict[int, list[int]]:
@@ -195,6 +222,7 @@ def _run_cases(
     cpu_kernels: bool = True,
 ) -> dict:
     timings: list[DecodeTiming] = []
+    paired: list[dict] = []
     folder = None
     variants = [(dtype, cpu_kernels) for dtype in dtypes]
     if cpu_kernels and torch.float32 in dtypes and cpu_kernels_available():  # the runtime without its CPU kernel
@@ -220,6 +248,8 @@ def _run_cases(
         for batch, qs in _by_batch(cases).items():
             for q, ms in time_transformers(hf_model, vocab, batch, qs, context, repeats, warmup, clock).items():
                 timings.append(DecodeTiming("transformers", "float32", batch, q, ms))
+        if torch.float32 in dtypes:
+            paired = _head_to_head(target, home, hf_model, vocab, cases, context, repeats, warmup, clock, cpu_kernels)
     return {
         "target": str(folder),
         "context": context,
@@ -228,7 +258,24 @@ def _run_cases(
         "clock": clock,
         "cpu_kernels": cpu_kernels_status() if cpu_kernels else "off (--no-cpu-kernel)",
         "timings": [asdict(t) for t in timings],
+        "paired": paired,
     }
+
+
+def _head_to_head(target, home, hf_model, vocab: int, cases, context: int, repeats: int, warmup: int, clock: str,
+                  cpu_kernels: bool) -> list[dict]:
+    """The float32 lean runtime and transformers on the batch-1 cases, step by step in
+    alternation (`paired_ms`): the comparison the foundation issue's goal is about."""
+    loaded = load_target(target, home=home, cpu_kernels=cpu_kernels)
+    qs = [q for b, q in cases if b == 1]
+    if not qs:
+        return []
+    lean, hf = lean_steps(loaded, 1, qs, context), transformers_steps(hf_model, vocab, 1, qs, context)
+    out = []
+    for q in qs:
+        ours, theirs = paired_ms([lean[q], hf[q]], repeats, warmup, clock)
+        out.append({"batch": 1, "new_tokens": q, "dspark_ms": ours, "transformers_ms": theirs, "ratio": ours / theirs})
+    return out
 
 
 def format_table(result: dict) -> str:
@@ -247,4 +294,9 @@ def format_table(result: dict) -> str:
     for runtime, dtype in runtimes:
         cells = [f"{ms[(runtime, dtype, b, q)]:.1f}" if (runtime, dtype, b, q) in ms else "-" for b, q in cases]
         lines.append(f"| {runtime} | {dtype} | " + " | ".join(cells) + " |")
+    if result.get("paired"):
+        lines += ["", f"Head to head, float32, the two runtimes' steps in alternation (median of {result['repeats']} each):",
+                  "| batch 1, new tokens q | dspark ms | transformers ms | dspark / transformers |", "|---|---|---|---|"]
+        lines += [f"| {p['new_tokens']} | {p['dspark_ms']:.1f} | {p['transformers_ms']:.1f} | {p['ratio']:.2f}x |"
+                  for p in result["paired"]]
     return "\n".join(lines)
