@@ -326,3 +326,26 @@ def test_a_threaded_kernel_shares_torchs_openmp_runtime() -> None:
     runtimes = {line.split()[-1] for line in maps.read_text().splitlines()
                 if any(name in line for name in ("libgomp", "libomp", "libiomp"))}
     assert len(runtimes) == 1, runtimes
+
+
+@needs_kernel
+def test_a_gcc_that_cannot_build_openmp_gives_the_single_threaded_kernel(tmp_path) -> None:
+    """A GCC without libgomp's development files: the OpenMP build fails once (remembered),
+    and the kernel is built and used on one thread instead of being switched off."""
+    import shutil
+
+    real = cpu_kernels._compiler()
+    fake = tmp_path / "gcc"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo "gcc (GCC) 12.2.0"; echo "Free Software Foundation, Inc."; exit 0; fi\n'
+        'for a in "$@"; do [ "$a" = "-fopenmp" ] && { echo "ld: cannot find -lgomp" >&2; exit 1; }; done\n'
+        f'exec {shutil.which(real) or real} "$@"\n'
+    )
+    fake.chmod(0o755)
+    fn, why = load_rowgemm(cc=str(fake), home=tmp_path)
+    assert fn is not None and not fn.threaded, why
+    assert len(list((tmp_path / "kernels").glob("*.failed"))) == 1
+    assert load_rowgemm(cc=str(fake), home=tmp_path)[0] is not None  # the marker skips the retry
+    weight, x = torch.randn(40, 64), torch.randn(3, 64)
+    torch.testing.assert_close(CpuKernel(weight, fn)(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)

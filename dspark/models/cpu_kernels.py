@@ -102,23 +102,35 @@ def _openmp_flags(cc_version: str) -> tuple[str, ...]:
 
 
 def _build(cc: str, home: str | Path | None) -> Path:
-    """Compile csrc/rowgemm.c into the dspark home (once per source, flags and compiler)."""
+    """Compile csrc/rowgemm.c into the dspark home (once per source, flags and compiler).
+
+    With OpenMP first where `_openmp_flags` allows it; if that build fails (a GCC without
+    libgomp's development files, say) the failure is remembered next to the kernels and the
+    single-threaded build is used, so later processes do not retry it."""
     from dspark.models.embedded import dspark_home
 
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    flags = CFLAGS + _openmp_flags(version)
-    digest = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(flags), version]).encode()).hexdigest()[:16]
-    out = dspark_home(home) / "kernels" / f"rowgemm-{digest}.so"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    done = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True, timeout=120)
-    if done.returncode != 0:
+    openmp = _openmp_flags(version)
+    error = ""
+    for flags in ([CFLAGS + openmp] if openmp else []) + [CFLAGS]:
+        digest = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(flags), version]).encode()).hexdigest()[:16]
+        out = dspark_home(home) / "kernels" / f"rowgemm-{digest}.so"
+        failed = out.with_suffix(".failed")
+        if out.is_file():
+            return out
+        if failed.is_file() and flags != CFLAGS:
+            continue
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+        done = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True, timeout=120)
+        if done.returncode == 0:
+            os.replace(tmp, out)
+            return out
         tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"{cc} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
-    os.replace(tmp, out)
-    return out
+        error = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else str(done.returncode)
+        if flags != CFLAGS:
+            failed.write_text(f"{cc} {' '.join(flags)}: {error}\n")
+    raise RuntimeError(f"{cc} failed: {error}")
 
 
 def load_rowgemm(cc: str | None = None, home: str | Path | None = None) -> tuple[RowGemm | None, str]:
