@@ -27,7 +27,8 @@ exactly (`PACKERS`, checked with the kernel's own arithmetic at packing time):
 The kernel rebuilds the float32 weight in registers and then does the very
 FMA of the f32 path, so all four give bit-identical results; the compact ones
 just read a fifth, a quarter or half of the bytes. On the embedded target a
-decode step's matmuls take about 13 ms against 46 ms through `F.linear`.
+decode step's matmuls take 12-13 ms against 45-51 ms through `F.linear` (2
+threads, docs/BENCHMARKS.md).
 
 With GCC the kernel is built with OpenMP, and then links torch's own libgomp
 (same soname, already loaded) and splits the panels over
