@@ -30,7 +30,7 @@ def test_report_lists_finished_and_unfinished_runs(tmp_path, capsys):
     text = out.read_text()
     assert "| dspark | dspark | 3 | 40/40 | 80 | 2.00 | 0.100 | 1.200 | 2.500 | 1.150 | 0.20, 0.20, 0.20 |" in text
     assert "| mtp | mtp | 1 | 20/40 | - | - | 0.050 | 1.100 | - | - | - |" in text
-    assert "](figures/train_runs.png)" in text and (tmp_path / "docs" / "figures" / "train_runs.png").stat().st_size > 0
+    assert "](figures/runs.png)" in text and (tmp_path / "docs" / "figures" / "runs.png").stat().st_size > 0  # named after the page
 
 
 def test_a_folder_that_is_not_a_run_is_named(tmp_path):

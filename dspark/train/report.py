@@ -98,8 +98,8 @@ def plot_runs(runs: list[dict], out_png: str | Path) -> Path:
 def write_report(folders: list[str], out_md: str | Path, fig_dir: str | Path, command: str) -> Path:
     runs = [load_run(f) for f in folders]
     head, rows = run_rows(runs)
-    png = plot_runs(runs, Path(fig_dir) / "train_runs.png")
     out = Path(out_md)
+    png = plot_runs(runs, Path(fig_dir) / f"{out.stem.lower()}.png")  # named after the page, so pages don't clash
     rel = Path(os.path.relpath(png, out.parent)).as_posix()
     text = (
         "# Training runs side by side\n\n"
