@@ -49,6 +49,15 @@ static inline void store(float *dst, __m256 v, const float *bias, int n)
     for (int k = 0; k < n; k++) dst[k] = bias ? lanes[k] + bias[k] : lanes[k];
 }
 
+/* y[m][8(p+q) ..] = acc[m][q] (+ bias) for the M x PB accumulators of a block */
+#define STORE_ACCUMULATORS(M, PB)                                                                  \
+    _Pragma("GCC unroll 8") for (int q = 0; q < PB; q++) {                                         \
+        long o = (p + q) * 8;                                                                      \
+        int n = out - o < 8 ? (int)(out - o) : 8;                                                  \
+        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                        \
+            store(y + m * out + o, acc[m][q], b ? b + o : 0, n);                                   \
+    }
+
 /* panels p .. p+PB-1 (outputs 8p .. 8(p+PB)-1) for M rows of x: one function per (weight
  * type, M, PB), so the M x PB accumulators are a fixed-size array kept in registers */
 #define BLOCK(T, TY, M, PB)                                                                        \
@@ -68,12 +77,7 @@ static inline void store(float *dst, __m256 v, const float *bias, int n)
                     acc[m][q] = _mm256_fmadd_ps(wv[q], xv, acc[m][q]);                             \
             }                                                                                      \
         }                                                                                          \
-        _Pragma("GCC unroll 4") for (int q = 0; q < PB; q++) {                                     \
-            long o = (p + q) * 8;                                                                  \
-            int n = out - o < 8 ? (int)(out - o) : 8;                                              \
-            _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                    \
-                store(y + m * out + o, acc[m][q], b ? b + o : 0, n);                               \
-        }                                                                                          \
+        STORE_ACCUMULATORS(M, PB)                                                                  \
     }
 
 /* panels p0 .. p1-1 for M rows (1 <= M <= 8): blocks of as many panels as fit in the 16 vector
@@ -190,12 +194,7 @@ static inline __attribute__((always_inline)) void pair_q8(const uint8_t *rec, in
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
-        _Pragma("GCC unroll 8") for (int q = 0; q < PB; q++) {                                     \
-            long o = (p + q) * 8;                                                                  \
-            int n = out - o < 8 ? (int)(out - o) : 8;                                              \
-            _Pragma("GCC unroll 8") for (int m = 0; m < M; m++)                                    \
-                store(y + m * out + o, acc[m][q], b ? b + o : 0, n);                               \
-        }                                                                                          \
+        STORE_ACCUMULATORS(M, PB)                                                                  \
     }
 
 /* x [rows, in] (in a multiple of 32), wp [ceil(out / 8)][in / 32][record], b [out] or NULL,
