@@ -266,10 +266,10 @@ def _head_to_head(target, home, hf_model, vocab: int, cases, context: int, repea
                   cpu_kernels: bool) -> list[dict]:
     """The float32 lean runtime and transformers on the batch-1 cases, step by step in
     alternation (`paired_ms`): the comparison the foundation issue's goal is about."""
-    loaded = load_target(target, home=home, cpu_kernels=cpu_kernels)
     qs = [q for b, q in cases if b == 1]
     if not qs:
         return []
+    loaded = load_target(target, home=home, cpu_kernels=cpu_kernels)
     lean, hf = lean_steps(loaded, 1, qs, context), transformers_steps(hf_model, vocab, 1, qs, context)
     out = []
     for q in qs:
