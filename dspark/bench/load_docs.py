@@ -1,6 +1,6 @@
 """The load run behind docs/LOAD.md and docs/figures/load_cpu_*:
 
-    .venv/bin/python -m dspark.bench.load_docs [DSPARK_DRAFTER_DIR [MTP_DRAFTER_DIR]] [--only ARMS] [--name STEM]
+    .venv/bin/python -m dspark.bench.load_docs [DSPARK_DRAFTER_DIR [MTP_DRAFTER_DIR]] [--only ARMS] [--name STEM] [--repeats N]
 
 In process, on the embedded SmolLM2-135M target (float32, CPU). Without
 drafter folders it measures no speculation against the model-free n-gram
@@ -30,8 +30,11 @@ NGRAM = Arm("ngram-k7", "ngram", "fixed", k=7, block_size=7)
 
 def docs_run(dspark_drafter: str | None = None, mtp_drafter: str | None = None,
              out_dir: str | Path = "docs/figures", name: str = "load_cpu",
-             only: list[str] | None = None) -> LoadReport:
-    """The docs' load run; `only` keeps the named arms (a rerun of some arms after a change)."""
+             only: list[str] | None = None, repeats: int | None = None) -> LoadReport:
+    """The docs' load run; `only` keeps the named arms (a rerun of some arms after a change);
+    `repeats` replaces the default 3 sweeps (more repeats, a tighter noise estimate)."""
+    import dataclasses
+
     import torch
 
     from dspark.errors import UserError
@@ -46,12 +49,13 @@ def docs_run(dspark_drafter: str | None = None, mtp_drafter: str | None = None,
             raise UserError(f"unknown arm(s) {', '.join(unknown)}; the arms are {', '.join(a.name for a in arms)}")
         arms = [a for a in arms if a.name in only]
     command = " ".join([".venv/bin/python -m dspark.bench.load_docs", *map(shlex.quote, sys.argv[1:])])
-    return run_load_bench(arms, DOCS_SETTINGS, out_dir=out_dir, name=name, command=command)
+    settings = DOCS_SETTINGS if repeats is None else dataclasses.replace(DOCS_SETTINGS, repeats=repeats)
+    return run_load_bench(arms, settings, out_dir=out_dir, name=name, command=command)
 
 
 def main(argv: list[str]) -> None:
-    """DSPARK_DIR [MTP_DIR] [--only ARM,ARM] [--name STEM] (no argparse outside cli.py)."""
-    positional, options = [], {"--only": "", "--name": "load_cpu"}
+    """DSPARK_DIR [MTP_DIR] [--only ARM,ARM] [--name STEM] [--repeats N] (no argparse outside cli.py)."""
+    positional, options = [], {"--only": "", "--name": "load_cpu", "--repeats": ""}
     args = iter(argv)
     for arg in args:
         if arg in ("-h", "--help"):
@@ -60,11 +64,16 @@ def main(argv: list[str]) -> None:
         if arg in options:
             options[arg] = next(args, "")
         elif arg.startswith("-"):
-            raise SystemExit(f"unknown option {arg}; the options are --only ARM,ARM and --name STEM")
+            raise SystemExit(f"unknown option {arg}; the options are --only ARM,ARM, --name STEM and --repeats N")
         else:
             positional.append(arg)
     only = [a for a in options["--only"].split(",") if a] or None
-    docs_run(*positional[:2], name=options["--name"] or "load_cpu", only=only)
+    repeats = None
+    if options["--repeats"]:
+        if not options["--repeats"].isdigit() or int(options["--repeats"]) < 1:
+            raise SystemExit(f"--repeats takes a whole number >= 1, got {options['--repeats']!r}")
+        repeats = int(options["--repeats"])
+    docs_run(*positional[:2], name=options["--name"] or "load_cpu", only=only, repeats=repeats)
 
 
 if __name__ == "__main__":

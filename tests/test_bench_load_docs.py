@@ -1,0 +1,47 @@
+"""The docs' load-run entry point (`python -m dspark.bench.load_docs`): its options reach
+`docs_run`, and bad options stop it with a message that names the fix (no run starts)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark.bench import load_docs
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    seen: list[tuple[tuple, dict]] = []
+    monkeypatch.setattr(load_docs, "docs_run", lambda *a, **kw: seen.append((a, kw)))
+    return seen
+
+
+def test_options_reach_the_run(calls):
+    load_docs.main(["runs/dspark", "runs/mtp", "--only", "nospec,dspark", "--name", "load_x", "--repeats", "5"])
+    assert calls == [(("runs/dspark", "runs/mtp"), {"name": "load_x", "only": ["nospec", "dspark"], "repeats": 5})]
+    load_docs.main([])
+    assert calls[-1] == ((), {"name": "load_cpu", "only": None, "repeats": None})
+
+
+@pytest.mark.parametrize("argv,message", [(["--repeats", "0"], "--repeats takes a whole number >= 1"),
+                                          (["--repeats", "two"], "--repeats takes a whole number >= 1"),
+                                          (["--fast"], "unknown option --fast")])
+def test_bad_options_stop_before_running(calls, argv, message):
+    with pytest.raises(SystemExit, match=message):
+        load_docs.main(argv)
+    assert calls == []
+
+
+def test_help_prints_usage_and_runs_nothing(calls, capsys):
+    load_docs.main(["--help"])
+    assert "usage: python -m dspark.bench.load_docs" in capsys.readouterr().out and calls == []
+
+
+def test_repeats_replace_the_default_sweeps(monkeypatch):
+    import torch
+
+    captured = {}
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # docs_run pins 1 thread; not in this process
+    monkeypatch.setattr(load_docs, "run_load_bench", lambda arms, settings, **kw: captured.update(settings=settings))
+    load_docs.docs_run(repeats=7, out_dir="unused")
+    assert captured["settings"].repeats == 7
+    assert load_docs.DOCS_SETTINGS.repeats == 3  # the default is left alone
