@@ -138,3 +138,18 @@ def test_bad_requests_are_refused():
         engine.add_request([1] * 40, GREEDY)
     with pytest.raises(UserError, match="token ids"):
         engine.add_request([VOCAB + 5], GREEDY)
+
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_logits_stop_the_step_with_a_clear_error(bad):
+    """One poisoned LM-head weight (NaN or infinite) makes the next step fail loudly, where
+    healthy weights pass (the check is one float32 sum of the logits)."""
+    target = tiny_target(seed=16, vocab_size=VOCAB)
+    engine = _engine(target, NoDrafter())
+    engine.add_request([1, 2, 3], GREEDY)
+    engine.step()  # healthy weights: no error
+    with torch.no_grad():
+        target.lm_head_weight[7, 0] = bad
+    with pytest.raises(RuntimeError, match="non-finite logits"):
+        engine.step()
