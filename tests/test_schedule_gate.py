@@ -47,13 +47,13 @@ def test_split_cost_adds_drafting_per_request():
 def test_gate_drafts_only_when_the_best_drafted_step_beats_plain_decoding():
     # one request, F(1) = 50 ms, +5 ms per token, drafting 20 ms
     gate = DraftGate(_split(50, 5, 20))
-    assert gate.wants_draft(["a"])  # no curve yet: draft to learn one
+    assert gate.choose(["a"]) == [True]  # no curve yet: draft to learn one
     gate.record([_req("a", [0.9, 0.9, 0.9])])
     # best: verify 3 -> (1 + 0.9 + 0.81 + 0.729) / (65 + 20) ms = 40.3 tok/s > 1 / 50 ms = 20
-    assert gate.wants_draft(["a"])
+    assert gate.choose(["a"]) == [True]
     gate.record([_req("a", [0.2, 0.1, 0.1])])
     # best: verify 1 -> 1.2 / 75 ms = 16 tok/s; nothing drafted: 1 / 70 ms; plain: 20 tok/s -> skip
-    assert not gate.wants_draft(["a"])
+    assert gate.choose(["a"]) == [False]
     assert gate.drafted_rate([[0.2, 0.02, 0.002]]) == pytest.approx(1.2 / 0.075)
     assert gate.plain_rate(1) == pytest.approx(20.0)
 
@@ -67,13 +67,13 @@ def test_gate_discounts_curves_by_the_acceptance_actually_realised():
     liar, honest = DraftGate(_split(50, 5, 20)), DraftGate(_split(50, 5, 20))
     for gate, accepted in ((liar, 0), (honest, 3)):
         gate.record([_req("a", [0.99, 0.99, 0.99])])
-        assert gate.acceptance_ratio() == 1.0 and gate.wants_draft(["a"])
+        assert gate.acceptance_ratio() == 1.0 and gate.choose(["a"]) == [True]
         for _ in range(6):
             gate.record([_req("a", [0.99, 0.99, 0.99])])
             gate.observe_outcomes([ScheduleOutcome("a", 3, accepted)])
             gate.observe_outcomes([ScheduleOutcome("gone", 3, 3)])  # no curve: ignored
-    assert liar.acceptance_ratio() < 0.25 and not liar.wants_draft(["a"])
-    assert honest.acceptance_ratio() == pytest.approx(1.0, abs=0.02) and honest.wants_draft(["a"])
+    assert liar.acceptance_ratio() < 0.25 and liar.choose(["a"]) == [False]
+    assert honest.acceptance_ratio() == pytest.approx(1.0, abs=0.02) and honest.choose(["a"]) == [True]
     assert PRIOR_TOKENS > 0
     with pytest.raises(ValueError, match="decay"):
         DraftGate(_split(50, 5, 20), decay=0.0)
@@ -82,23 +82,52 @@ def test_gate_discounts_curves_by_the_acceptance_actually_realised():
 def test_gate_probes_after_skipping_and_forgets_finished_requests():
     gate = DraftGate(_split(50, 5, 40), probe_every=3)
     gate.record([_req("a", [0.1])])
-    decisions = [gate.wants_draft(["a"]) for _ in range(8)]
+    decisions = [gate.choose(["a"])[0] for _ in range(8)]
     assert decisions == [False, False, False, True, False, False, False, True]
     gate.record([_req("b", [0.99])])  # "a" is gone
     assert set(gate.curves) == {"b"}
     # "c" has no curve yet: it stands in with the mean recent curve (0.545), and at D(2) = 80 ms
     # the best drafted step, 3.535 tokens / 145 ms, loses to plain decoding's 2 / 55 ms
-    assert not gate.wants_draft(["b", "c"])
+    assert gate.choose(["b", "c"]) == [False, False]
 
 
 def test_a_new_request_uses_the_mean_recent_curve_instead_of_forcing_a_draft():
     gate = DraftGate(_split(50, 5, 40))
-    assert gate.wants_draft(["a"])  # nothing ever recorded: draft to learn
+    assert gate.choose(["a"]) == [True]  # nothing ever recorded: draft to learn
     gate.record([_req("a", [0.1, 0.1])])
     gate.record([_req("b", [0.3, 0.1])])  # "a" finished; both curves stay in the recent history
     # "c" is new: proxy = mean of (0.1, 0.01) and (0.3, 0.03) = (0.2, 0.02): 1.2 / 95 ms < 20 tok/s
-    assert not gate.wants_draft(["c"])
+    assert gate.choose(["c"]) == [False]
     assert gate.drafted_rate([[0.2, 0.02]]) < gate.plain_rate(1)
+
+
+def test_the_gate_drafts_only_the_requests_whose_curves_pay_for_their_drafting():
+    """F(B) = 50 + 5 (B - 1) ms, D(R) = 20 R ms, two requests; plain decoding: 2 / 55 ms = 36.4 tok/s.
+    Survival curves a = (0.9, 0.81, 0.729), b = (0.05). Path a1, a2, a3, b1:
+      a1     2.9   / (60 + 20) = 36.3      a1-a2  3.71 / (65 + 20) = 43.6
+      a1-a3  4.439 / (70 + 20) = 49.3      + b1   4.489 / (75 + 40) = 39.0
+    best: draft a alone. Drafting both (the all-or-nothing gate) would have paid too,
+    40.4 tok/s at a1-a3, but less."""
+    gate = DraftGate(_split(50, 5, 20))
+    good, poor = [0.9, 0.81, 0.729], [0.05]
+    assert gate.best_drafts([good, poor]) == [True, False]
+    assert gate.best_drafts([poor, good]) == [False, True]
+    assert gate.drafted_rate([good, poor]) == pytest.approx(4.439 / 0.110)
+    assert gate.drafted_rate([good, poor]) > gate.plain_rate(2)
+    # two good curves: a1 b1 a2 b2 a3 b3 -> 6.878 / (85 + 40) = 55.0 tok/s, the best prefix
+    assert gate.best_drafts([good, good]) == [True, True]
+    assert gate.best_drafts([poor, poor]) == [False, False]
+    # through choose(): recorded curves (confidences 0.9, 0.9, 0.9 and 0.05)
+    gate.record([_req("a", [0.9, 0.9, 0.9]), _req("b", [0.05])])
+    assert gate.choose(["a", "b"]) == [True, False]
+
+
+def test_partial_drafting_counts_towards_the_probe():
+    """A step that drafts some requests leaves the others' curves stale: after probe_every
+    such steps one step drafts everyone."""
+    gate = DraftGate(_split(50, 5, 20), probe_every=2)
+    gate.record([_req("a", [0.9, 0.9, 0.9]), _req("b", [0.05])])
+    assert [gate.choose(["a", "b"]) for _ in range(6)] == [[True, False], [True, False], [True, True]] * 2
 
 
 def test_a_bigger_batch_makes_drafting_relatively_dearer():
@@ -119,26 +148,29 @@ def test_schedulers_walk_forward_plus_drafting_and_expose_the_gate():
     reqs = [_req("a", [0.9, 0.9, 0.9, 0.1])]
     rates = [(1 + sum([0.9, 0.81, 0.729, 0.0729][:j])) / (50 + 5 * j + 20) for j in range(5)]
     assert causal.decide(reqs) == [max(range(5), key=lambda j: rates[j])] == [3]
-    assert causal.wants_draft(["a"])
+    assert causal.choose_drafts(["a"]) == [True]
     for policy in (PrefixScheduler(CostTable({1: 0.01, 8: 0.02})), AsyncPrefixScheduler(CostTable({1: 0.01}))):
-        assert policy.gate is None and policy.wants_draft(["x"])  # one curve: always draft
+        assert policy.gate is None and policy.choose_drafts(["x", "y"]) == [True, True]  # one curve: always draft
     assert AsyncPrefixScheduler(cost).gate is not None
-    assert not build_policy("none", block_size=4).wants_draft(["x"])
+    assert build_policy("none", block_size=4).choose_drafts(["x", "y"]) == [False, False]
 
 
 # ---------------------------------------------------------------- engine
 class SkippingPolicy:
-    """Wraps a policy; skips drafting on seeded coin flips (independent of any draft)."""
+    """Wraps a policy; on seeded coin flips (independent of any draft) a step drafts no one,
+    everyone, or each request on a coin flip of its own, a third of the steps each."""
 
-    def __init__(self, inner, seed: int = 0, p_skip: float = 0.5) -> None:
-        self.inner, self.rng, self.p_skip = inner, random.Random(seed), p_skip
-        self.name, self.skips, self.calls = inner.name, 0, 0
+    def __init__(self, inner, seed: int = 0) -> None:
+        self.inner, self.rng = inner, random.Random(seed)
+        self.name, self.skips, self.partial, self.calls = inner.name, 0, 0, 0
 
-    def wants_draft(self, request_ids) -> bool:
+    def choose_drafts(self, request_ids) -> list[bool]:
         self.calls += 1
-        skip = self.rng.random() < self.p_skip
-        self.skips += skip
-        return not skip
+        kind = self.rng.randrange(3)
+        chosen = [kind == 1 or (kind == 2 and self.rng.random() < 0.5) for _ in request_ids]
+        self.skips += not any(chosen)
+        self.partial += any(chosen) and not all(chosen)
+        return chosen
 
     def decide(self, requests):
         return self.inner.decide(requests)
@@ -171,11 +203,37 @@ def test_skipped_drafts_leave_greedy_output_and_drafter_state_exact(kind, cfg):
     assert 0 < policy.skips < policy.calls and engine.num_draft_skips == policy.skips
 
 
+@pytest.mark.parametrize("kind,cfg", [("dspark", {"block_size": 4, "num_hidden_layers": 1, "markov_rank": 8}),
+                                      ("dflash", {"block_size": 4, "num_hidden_layers": 1}),
+                                      ("eagle3", {"block_size": 3}), ("mtp", {})])
+def test_drafting_part_of_the_batch_leaves_every_greedy_output_exact(kind, cfg):
+    """Three requests in one batch, each step drafting no one, everyone or a random part of
+    them: every request's greedy output equals its plain-decoding output, so a drafter
+    proposes correctly for any subset of its requests' states."""
+    from dspark.draft.factory import build_drafter
+    from dspark.draft.ngram import NoDrafter
+
+    target = tiny_target(seed=0, vocab_size=V)
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    prompts = [[5, 17, 33, 5, 17, 33, 5, 17], [9, 9, 40, 2, 9, 9, 40], [60, 1, 2, 3, 60, 1, 2, 3, 60, 1]]
+    plain = Engine(target, NoDrafter(), build_policy("none", block_size=1), EngineConfig())
+    want = [generate(plain, p, params).token_ids for p in prompts]
+    drafter = build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, **cfg)
+    policy = SkippingPolicy(build_policy("fixed", block_size=drafter.block_size), seed=3)
+    engine = Engine(target, drafter, policy, EngineConfig())
+    ids = [engine.add_request(p, params) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    assert [engine.pop_finished(i).output_ids for i in ids] == want
+    assert engine.num_partial_drafts == policy.partial > 0
+
+
 def test_skipped_drafts_keep_the_engine_lossless():
     """tests/test_engine_lossless.py's chi-square test (alpha 1e-6, 16,384
-    continuations, 512 cells) through a scheduler that skips drafting on half
-    of the steps at random: mixing plain decode steps with drafted ones must
-    leave the joint distribution of the first three tokens exact."""
+    continuations, 512 cells) through a scheduler that leaves each request
+    undrafted on half of the steps at random: steps that draft everyone, no one
+    or part of the batch must leave the joint distribution of the first three
+    tokens exact."""
     import test_engine_lossless as tel
     from drafters_for_tests import BigramDrafter
     from lossless_harness import ALPHA, chi_square
@@ -195,6 +253,21 @@ def test_skipped_drafts_keep_the_engine_lossless():
         while engine.has_work():
             engine.step()
         out.extend(engine.pop_finished(i).output_ids[: tel.NUM_TOKENS] for i in ids)
-    assert 0 < policy.skips < policy.calls
+    assert 0 < policy.skips < policy.calls and engine.num_partial_drafts == policy.partial > 0
     result = chi_square(torch.tensor(out), tel._exact_joint(target, params), tel.VOCAB)
     assert result.p_value > ALPHA, result
+
+
+def test_spread_proposal_lays_a_subsets_rows_over_the_batch():
+    from dspark.draft.base import spread_proposal
+    from dspark.types import DraftProposal
+
+    sub = DraftProposal(draft_tokens=torch.tensor([[4, 5], [6, 7]]), num_drafted=torch.tensor([2, 1]),
+                        draft_probs=torch.rand(2, 2, 9), confidences=torch.tensor([[0.5, 0.25], [0.75, 0.5]]))
+    full = spread_proposal(sub, [1, 3], 4)
+    assert full.draft_tokens.tolist() == [[0, 0], [4, 5], [0, 0], [6, 7]]
+    assert full.num_drafted.tolist() == [0, 2, 0, 1]
+    assert torch.equal(full.draft_probs[[1, 3]], sub.draft_probs) and not full.draft_probs[[0, 2]].any()
+    assert full.confidences.tolist() == [[0, 0], [0.5, 0.25], [0, 0], [0.75, 0.5]]
+    point_masses = spread_proposal(DraftProposal(torch.tensor([[3]]), torch.tensor([1])), [0], 2)
+    assert point_masses.draft_probs is None and point_masses.confidences is None

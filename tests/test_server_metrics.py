@@ -105,7 +105,9 @@ def test_metrics_parse_and_match_the_requests():
     calibrated = _value(fams, "dspark_spec_calibrated_rounds_total")
     predicted = _value(fams, "dspark_spec_predicted_accepted_total")
     realised = _value(fams, "dspark_spec_calibrated_accepted_total")
-    assert calibrated == rounds  # the bigram drafter reports confidences every round
+    # the bigram drafter reports confidences every round it drafts: all but a request's last round
+    # when that round had a single token left to generate (nothing drafted, nothing predicted)
+    assert rounds - len(prompts) <= calibrated <= rounds
     assert _value(fams, "dspark_spec_calibration_error") == pytest.approx((predicted - realised) / calibrated)
     assert _value(fams, "dspark_kv_tokens_in_use") == 0 and _value(fams, "dspark_requests_running") == 0
     assert _value(fams, "dspark_time_to_first_token_seconds", suffix="_count") == len(prompts)

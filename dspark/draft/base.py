@@ -72,6 +72,24 @@ def empty_proposal(num_requests: int, block_size: int) -> DraftProposal:
     )
 
 
+def spread_proposal(proposal: DraftProposal, rows: list[int], num_requests: int) -> DraftProposal:
+    """A proposal made for `rows` (increasing) of a batch of `num_requests`, laid out over the
+    whole batch; every other row has no usable draft tokens (its verify length becomes 0)."""
+    index = torch.tensor(rows, dtype=torch.int64, device=proposal.draft_tokens.device)
+
+    def spread(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return t.new_zeros((num_requests, *t.shape[1:])).index_copy_(0, index.to(t.device), t)
+
+    return DraftProposal(
+        draft_tokens=spread(proposal.draft_tokens),
+        num_drafted=spread(proposal.num_drafted),
+        draft_probs=spread(proposal.draft_probs),
+        confidences=spread(proposal.confidences),
+    )
+
+
 class DraftTrainOutput:
     """What a trainable drafter returns for a teacher-forced training batch.
 

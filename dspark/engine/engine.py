@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.draft.base import Drafter, empty_proposal
+from dspark.draft.base import Drafter, empty_proposal, spread_proposal
 from dspark.engine.batcher import Batcher, BatchLimits, StepPlan
 from dspark.engine.forward import StepBatch, build_step_batch
 from dspark.engine.request import Request, Status
@@ -85,6 +85,7 @@ class Engine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_draft_skips = 0  # decode steps where the policy chose not to draft
+        self.num_partial_drafts = 0  # decode steps where it drafted only some requests
         self.step_seconds = 0.0
 
     # ------------------------------------------------------------------ API
@@ -149,21 +150,35 @@ class Engine:
                 draft_tokens=torch.zeros(0, self.drafter.block_size, dtype=torch.int64),
                 num_drafted=torch.zeros(0, dtype=torch.int64),
             )
-        wants_draft = getattr(self.policy, "wants_draft", None)
-        if wants_draft is not None and not wants_draft([r.request_id for r in decoding]):
+        rows = self._rows_to_draft(decoding)
+        if not rows:
             self.num_draft_skips += 1  # a plain decode step: the policy saw no gain in drafting
             return empty_proposal(len(decoding), self.drafter.block_size)
-        anchors = torch.tensor([r.anchor for r in decoding], dtype=torch.int64)
+        drafting = [decoding[i] for i in rows]
+        anchors = torch.tensor([r.anchor for r in drafting], dtype=torch.int64)
         proposal = self.drafter.propose(
-            [r.draft_state for r in decoding], anchors, [r.params for r in decoding],
-            [r.generator for r in decoding],
+            [r.draft_state for r in drafting], anchors, [r.params for r in drafting],
+            [r.generator for r in drafting],
         )
         # never draft past the request's token or context limit
-        for i, req in enumerate(decoding):
+        for i, req in enumerate(drafting):
             room = min(req.remaining_tokens - 1, self.max_seq_len - len(req.all_ids))
             if int(proposal.num_drafted[i]) > room:
                 proposal.num_drafted[i] = max(room, 0)
+        if len(rows) < len(decoding):
+            self.num_partial_drafts += 1  # the others decode plainly this step
+            proposal = spread_proposal(proposal, rows, len(decoding))
         return proposal
+
+    def _rows_to_draft(self, decoding: list[Request]) -> list[int]:
+        """Indices of the requests the policy drafts this step (all when it has no say)."""
+        choose = getattr(self.policy, "choose_drafts", None)
+        if choose is None:
+            return list(range(len(decoding)))
+        chosen = list(choose([r.request_id for r in decoding]))
+        if len(chosen) != len(decoding):
+            raise RuntimeError(f"policy {self.policy.name!r} chose drafts for {len(chosen)} of {len(decoding)} requests")
+        return [i for i, draft in enumerate(chosen) if draft]
 
     def _schedule(self, decoding: list[Request], proposal: DraftProposal) -> list[int]:
         if not decoding:
@@ -173,7 +188,9 @@ class Engine:
             ScheduleRequest(
                 request_id=req.request_id,
                 num_drafted=int(proposal.num_drafted[i]),
-                confidences=None if conf is None else [float(c) for c in conf[i, : int(proposal.num_drafted[i])]],
+                # None for a request that did not draft this step: unknown, not "no tokens survive"
+                confidences=None if conf is None or int(proposal.num_drafted[i]) == 0
+                else [float(c) for c in conf[i, : int(proposal.num_drafted[i])]],
             )
             for i, req in enumerate(decoding)
         ]
@@ -233,8 +250,8 @@ class Engine:
     @staticmethod
     def _predicted(batch: StepBatch, entry: int, verify_len: int) -> float | None:
         conf = batch.proposal.confidences
-        if conf is None:
-            return None
+        if conf is None or int(batch.proposal.num_drafted[entry]) == 0:
+            return None  # nothing drafted: no prediction to compare
         return expected_accepted([float(c) for c in conf[entry]], verify_len)
 
     # ------------------------------------------------------------- helpers

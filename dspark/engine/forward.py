@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.draft.base import spread_proposal
 from dspark.engine.batcher import StepPlan
 from dspark.engine.request import Request
 from dspark.types import DraftProposal, RaggedBatch
@@ -114,25 +115,11 @@ def build_step_batch(
 
 
 def _entry_proposal(proposal: DraftProposal, entry_rows: list[tuple[str, int]], block_size: int) -> DraftProposal:
-    """The decode proposal re-indexed by verify entry; first-token entries get empty rows."""
+    """The decode proposal re-indexed by verify entry; first-token entries get empty rows.
+    Decode entries come after the prefill ones, in decode order, so decode row i lands on
+    the i-th "draft" entry."""
     if all(kind == "draft" for kind, _ in entry_rows):
         return proposal
-    num = len(entry_rows)
-    out = DraftProposal(
-        draft_tokens=torch.zeros(num, block_size, dtype=torch.int64),
-        num_drafted=torch.zeros(num, dtype=torch.int64),
-        draft_probs=None
-        if proposal.draft_probs is None
-        else proposal.draft_probs.new_zeros(num, block_size, proposal.draft_probs.shape[-1]),
-        confidences=None if proposal.confidences is None else proposal.confidences.new_zeros(num, block_size),
-    )
-    for e, (kind, i) in enumerate(entry_rows):
-        if kind != "draft":
-            continue
-        out.draft_tokens[e] = proposal.draft_tokens[i]
-        out.num_drafted[e] = proposal.num_drafted[i]
-        if proposal.draft_probs is not None:
-            out.draft_probs[e] = proposal.draft_probs[i]
-        if proposal.confidences is not None:
-            out.confidences[e] = proposal.confidences[i]
-    return out
+    rows = [e for e, (kind, _) in enumerate(entry_rows) if kind == "draft"]
+    assert [i for kind, i in entry_rows if kind == "draft"] == list(range(len(rows))), "decode rows out of order"
+    return spread_proposal(proposal, rows, len(entry_rows))

@@ -1,4 +1,4 @@
-"""Draft or not: the step-level decision the prefix schedulers make before drafting.
+"""Whom to draft: the decision the prefix schedulers make before drafting.
 
 Algorithm 1 chooses verify lengths after the drafts exist, so it treats the
 drafting cost as paid. Where drafting is cheap (a GPU: a few percent of a
@@ -10,14 +10,20 @@ speculation whenever the drafts are poor or the batch is large.
 `DraftGate` decides before drafting, from each request's survival curve of
 its last drafted round (the same kind of stale information the asynchronous
 scheduler of section 5.2 plans with), with the split step cost
-F(B) + D(R) (`SplitCost`):
+F(B) + D(R) (`SplitCost`). It walks the admission path of those curves
+(Algorithm 1's ranking) and prices each prefix of it as a step that drafts
+only the requests the prefix reaches:
 
-    draft   iff   max over the admission path of tau * 1 / (F(B) + D(R))
-                  >  R / F(R)                      (one plain decode step)
+    rate(n) = (R + a_1 + ... + a_n) / (F(R + n) + D(requests among the first n))
+    rate(0) = R / F(R)                              (one plain decode step)
 
-Lossless: the decision reads only past confidences and request ids, never
-the current draft tokens, so "no draft" is a plain decode step chosen
-independently of what would have been drafted.
+and drafts the requests of the best prefix: everyone, no one, or the few
+whose curves pay for their drafting (a code request copying its prompt
+beside chat requests that would not).
+
+Lossless: the choice reads only past confidences and request ids, never
+the current draft tokens, so an undrafted request takes a plain decode step
+chosen independently of what would have been drafted for it.
 
 Calibration drift: the curves come from the confidence head, calibrated
 offline. The gate compares what they promised with what the verifier
@@ -28,9 +34,10 @@ Exploration: curves only refresh when a step drafts. A request with no curve
 yet (it just started decoding) stands in with the mean of the last
 `history` curves recorded from any request (the asynchronous scheduler's
 proxy); only while no curve was ever recorded does the step draft to learn
-one. After `probe_every` consecutive skipped steps one step drafts anyway,
-so a request whose text turned predictable (code, a quotation) is noticed.
-Probing costs at most D(R) / (probe_every + 1) per step.
+one. After `probe_every` consecutive steps that left some request undrafted,
+one step drafts every request (one batched round refreshes all curves at the
+lowest cost per request), so a request whose text turned predictable (code,
+a quotation) is noticed. Probing costs at most D(R) / (probe_every + 1) per step.
 
 Measured (docs/LOAD.md): with a new request forcing a draft, closed-loop
 traffic at 16 clients drafted whenever a request joined, and the scheduler
@@ -49,7 +56,7 @@ PRIOR_TOKENS = 4.0  # pseudo-count pulling the acceptance ratio towards 1 while 
 
 
 class DraftGate:
-    """Per step: draft (True) or decode plainly (False); see the module docstring."""
+    """Per step and request: draft (True) or decode plainly (False); see the module docstring."""
 
     def __init__(self, cost: SplitCost, probe_every: int = 32, history: int = 64, decay: float = 0.98) -> None:
         if probe_every < 1 or history < 1:
@@ -61,28 +68,28 @@ class DraftGate:
         self.realised = self.predicted = 0.0
         self.curves: dict[Hashable, list[float]] = {}  # request id -> survival curve of its last drafted round
         self.recent: deque[list[float]] = deque(maxlen=history)  # last recorded curves of any request
-        self.skipped = 0  # consecutive steps without drafting
+        self.skipped = 0  # consecutive steps that left some request undrafted
 
-    def wants_draft(self, request_ids: Sequence[Hashable]) -> bool:
-        draft = self._decide(list(request_ids))
-        self.skipped = 0 if draft else self.skipped + 1
-        return draft
+    def choose(self, request_ids: Sequence[Hashable]) -> list[bool]:
+        """Which of these requests draft this step (in order)."""
+        chosen = self._choose(list(request_ids))
+        self.skipped = 0 if all(chosen) else self.skipped + 1
+        return chosen
 
-    def _decide(self, ids: list[Hashable]) -> bool:
-        if not ids:
-            return True
-        if self.skipped >= self.probe_every:
-            return True
+    def _choose(self, ids: list[Hashable]) -> list[bool]:
+        everyone = [True] * len(ids)
+        if not ids or self.skipped >= self.probe_every:
+            return everyone
         proxy = None
         if any(i not in self.curves for i in ids):
             if not self.recent:
-                return True  # no curve was ever seen: draft to learn one
+                return everyone  # no curve was ever seen: draft to learn one
             from dspark.schedule.prefix import _mean_curve
 
             proxy = _mean_curve(list(self.recent))
         ratio = self.acceptance_ratio()
         curves = [[min(1.0, a * ratio) for a in self.curves.get(i, proxy)] for i in ids]
-        return self.drafted_rate(curves) > self.plain_rate(len(ids))
+        return self.best_drafts(curves)
 
     def acceptance_ratio(self) -> float:
         """Realised / predicted accepted draft tokens over recent verified rounds, each side
@@ -113,6 +120,24 @@ class DraftGate:
         cands = ranked_candidates(curves)
         n = greedy_walk(cands, curve, r, r, early_stop=False)
         return (r + sum(a for _, _, a in cands[:n])) * curve.sps(r + n)
+
+    def best_drafts(self, curves: Sequence[Sequence[float]]) -> list[bool]:
+        """The requests to draft for the highest expected tokens per second: walk the admission
+        path of `curves` (Algorithm 1's order) pricing prefix n at F(R + n) + D(requests it
+        reaches), against a plain decode step (n = 0), and draft the best prefix's requests."""
+        from dspark.schedule.prefix import ranked_candidates
+
+        r = len(curves)
+        best_rate, best_n = self.plain_rate(r), 0
+        reached: set[int] = set()
+        accepts = float(r)
+        for n, (request, _, a) in enumerate(ranked_candidates(curves), start=1):
+            reached.add(request)
+            accepts += a
+            rate = accepts / self.cost.seconds(r + n, len(reached))
+            if rate > best_rate:
+                best_rate, best_n, best_reached = rate, n, set(reached)
+        return [best_n > 0 and i in best_reached for i in range(r)]
 
     def record(self, requests: Sequence[ScheduleRequest]) -> None:
         """Remember the survival curve of every request that drafted with confidences;

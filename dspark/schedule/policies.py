@@ -31,9 +31,9 @@ class NoSpeculation:
 
     name = "none"
 
-    def wants_draft(self, request_ids) -> bool:
+    def choose_drafts(self, request_ids) -> list[bool]:
         """Nothing is ever verified, so nothing is drafted."""
-        return False
+        return [False] * len(request_ids)
 
     def decide(self, requests: list[ScheduleRequest]) -> list[int]:
         return [0 for _ in requests]

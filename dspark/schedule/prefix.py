@@ -118,10 +118,11 @@ class PrefixScheduler:
     Requests without confidences verify all drafted tokens (FixedLength fallback).
 
     With a `SplitCost` (target forward F(B) and drafting D(R) measured apart)
-    the walk uses SPS(B) = 1 / (F(B) + D(R)) for the batch's R requests, and
-    `wants_draft` lets the engine skip drafting when even the best drafted
-    step would be slower than a plain decode step (`DraftGate`). With a
-    single `CostTable` every step drafts.
+    the walk uses SPS(B) = 1 / (F(B) + D(R)) for the R requests that drafted,
+    and `choose_drafts` tells the engine, before drafting, which requests to
+    draft at all: none when even the best drafted step would be slower than a
+    plain decode step, or only those whose past curves pay for their drafting
+    (`DraftGate`). With a single `CostTable` every request drafts every step.
     """
 
     name = "dspark"
@@ -130,9 +131,9 @@ class PrefixScheduler:
         self.cost = cost
         self.gate = DraftGate(cost) if isinstance(cost, SplitCost) else None
 
-    def wants_draft(self, request_ids: Sequence[Hashable]) -> bool:
-        """Before drafting: should this step draft at all? (past confidences only)"""
-        return True if self.gate is None else self.gate.wants_draft(request_ids)
+    def choose_drafts(self, request_ids: Sequence[Hashable]) -> list[bool]:
+        """Before drafting: which requests draft this step? (past confidences only)"""
+        return [True] * len(request_ids) if self.gate is None else self.gate.choose(request_ids)
 
     def decide(self, requests: list[ScheduleRequest]) -> list[int]:
         if not requests:
@@ -141,7 +142,7 @@ class PrefixScheduler:
             self.gate.record(requests)
         batch = _Batch.of(requests)
         cands = ranked_candidates(batch.survivals)
-        n = greedy_walk(cands, curve_for(self.cost, len(requests)), batch.base_tokens, len(requests),
+        n = greedy_walk(cands, curve_for(self.cost, _drafted(requests)), batch.base_tokens, len(requests),
                         early_stop=True)
         return batch.lengths(cands[:n])
 
@@ -167,7 +168,7 @@ class RetrospectivePrefixScheduler(PrefixScheduler):
             return []
         batch = _Batch.of(requests)
         cands = ranked_candidates(batch.survivals)
-        n = greedy_walk(cands, curve_for(self.cost, len(requests)), batch.base_tokens, len(requests),
+        n = greedy_walk(cands, curve_for(self.cost, _drafted(requests)), batch.base_tokens, len(requests),
                         early_stop=False)
         return batch.lengths(cands[:n])
 
@@ -217,9 +218,9 @@ class AsyncPrefixScheduler:
         self._history.clear()
         self.last_capacity = None
 
-    def wants_draft(self, request_ids: Sequence[Hashable]) -> bool:
-        """Before drafting: should this step draft at all? (see PrefixScheduler.wants_draft)"""
-        return True if self.gate is None else self.gate.wants_draft(request_ids)
+    def choose_drafts(self, request_ids: Sequence[Hashable]) -> list[bool]:
+        """Before drafting: which requests draft this step? (see PrefixScheduler.choose_drafts)"""
+        return [True] * len(request_ids) if self.gate is None else self.gate.choose(request_ids)
 
     def decide(self, requests: list[ScheduleRequest]) -> list[int]:
         if self.gate is not None and requests:
@@ -256,7 +257,7 @@ class AsyncPrefixScheduler:
             else:
                 historical.append(by_id.get(q.request_id, proxy)[: q.num_drafted])
         cands = ranked_candidates(historical)
-        return greedy_walk(cands, curve_for(self.cost, len(requests)), len(requests) + pinned_tokens,
+        return greedy_walk(cands, curve_for(self.cost, _drafted(requests)), len(requests) + pinned_tokens,
                            len(requests), early_stop=False)
 
     def commit(self, outcomes: list[ScheduleOutcome]) -> None:
@@ -264,6 +265,12 @@ class AsyncPrefixScheduler:
         compares outcomes with the curves."""
         if self.gate is not None:
             self.gate.observe_outcomes(outcomes)
+
+
+def _drafted(requests: Sequence[ScheduleRequest]) -> int:
+    """R of the drafting cost D(R): the requests that drafted this step (the engine may draft
+    only some of them, `DraftGate`); at least 1, the smallest batch D was measured for."""
+    return max(1, sum(q.num_drafted > 0 for q in requests))
 
 
 def _mean_curve(curves: Sequence[Sequence[float]]) -> list[float]:
