@@ -128,7 +128,7 @@ class DraftGate:
         from dspark.schedule.prefix import ranked_candidates
 
         r = len(curves)
-        best_rate, best_n = self.plain_rate(r), 0
+        best_rate, best_reached = self.plain_rate(r), frozenset()
         reached: set[int] = set()
         accepts = float(r)
         for n, (request, _, a) in enumerate(ranked_candidates(curves), start=1):
@@ -136,8 +136,8 @@ class DraftGate:
             accepts += a
             rate = accepts / self.cost.seconds(r + n, len(reached))
             if rate > best_rate:
-                best_rate, best_n, best_reached = rate, n, set(reached)
-        return [best_n > 0 and i in best_reached for i in range(r)]
+                best_rate, best_reached = rate, frozenset(reached)
+        return [i in best_reached for i in range(r)]
 
     def record(self, requests: Sequence[ScheduleRequest]) -> None:
         """Remember the survival curve of every request that drafted with confidences;
