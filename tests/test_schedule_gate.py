@@ -130,6 +130,31 @@ def test_partial_drafting_counts_towards_the_probe():
     assert [gate.choose(["a", "b"]) for _ in range(6)] == [[True, False], [True, False], [True, True]] * 2
 
 
+def test_probes_and_the_first_curve_draft_the_stalest_quarter():
+    """Learning and probing draft a quarter of the batch (at least one request): those without
+    a curve first, then the oldest curves, so probes rotate through the batch."""
+    gate = DraftGate(_split(50, 5, 40), probe_every=2)
+    ids = ["a", "b", "c", "d", "e"]
+    assert gate.probe_size(5) == 2 and gate.probe_size(1) == 1
+    assert gate.choose(ids) == [True, True, False, False, False]  # nothing recorded: learn from two
+    gate.record([_req("a", [0.1]), _req("b", [0.1])] + [ScheduleRequest(i, 0, None) for i in "cde"])
+    # poor curves (the proxy for c, d, e too): plain steps, then a probe of the two without a curve
+    assert [gate.choose(ids) for _ in range(3)] == [[False] * 5, [False] * 5, [False, False, True, True, False]]
+    gate.record([_req("c", [0.1]), _req("d", [0.1])] + [ScheduleRequest(i, 0, None) for i in "abe"])
+    # e has no curve; a and b hold the oldest (tie: batch order)
+    assert [gate.choose(ids) for _ in range(3)] == [[False] * 5, [False] * 5, [True, False, False, False, True]]
+    gate.record([_req("a", [0.1]), _req("e", [0.1])] + [ScheduleRequest(i, 0, None) for i in "bcd"])
+    gate.choose(ids), gate.choose(ids)
+    assert gate.choose(ids) == [False, True, True, False, False]  # b's curve is the oldest, then c's and d's
+
+
+def test_a_drafter_without_confidences_drafts_every_request():
+    gate = DraftGate(_split(50, 5, 40))
+    assert gate.choose(["a", "b", "c", "d", "e"]) == [True, True, False, False, False]
+    gate.record([ScheduleRequest("a", 4, None), ScheduleRequest("b", 4, None)])
+    assert gate.blind and all(gate.choose(["a", "b", "c"]) for _ in range(40))
+
+
 def test_a_bigger_batch_makes_drafting_relatively_dearer():
     """D(R) grows with R while the forward of R plain tokens barely does: the same
     per-request curve is worth drafting for one request and not for sixteen."""
@@ -225,7 +250,8 @@ def test_drafting_part_of_the_batch_leaves_every_greedy_output_exact(kind, cfg):
     while engine.has_work():
         engine.step()
     assert [engine.pop_finished(i).output_ids for i in ids] == want
-    assert engine.num_partial_drafts == policy.partial > 0
+    assert engine.num_partial_drafts == policy.partial > 0 and engine.num_draft_skips == policy.skips
+    assert engine.num_full_drafts + engine.num_partial_drafts + engine.num_draft_skips == policy.calls
 
 
 def test_skipped_drafts_keep_the_engine_lossless():

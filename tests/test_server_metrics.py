@@ -71,6 +71,7 @@ EXPECTED = [
     "dspark_spec_mean_verify_length", "dspark_spec_position_reached_total", "dspark_spec_position_accepted_total",
     "dspark_spec_position_acceptance_rate", "dspark_spec_predicted_accepted_total",
     "dspark_spec_calibrated_accepted_total", "dspark_spec_calibrated_rounds_total", "dspark_spec_calibration_error",
+    "dspark_decode_steps_total",
 ]
 
 
@@ -93,6 +94,10 @@ def test_metrics_parse_and_match_the_requests():
     assert _value(fams, "dspark_requests_aborted_total") == 0
     rounds = sum(o.dspark["rounds"] for o in outs)
     assert _value(fams, "dspark_spec_rounds_total") == rounds
+    # a single cost curve: the scheduler has no draft gate, every decode step drafts everyone; the
+    # requests ran one after another, so each decode step was one request's round
+    steps = {k: _value(fams, "dspark_decode_steps_total", f'{{drafted="{k}"}}') for k in ("all", "some", "none")}
+    assert steps == {"all": rounds, "some": 0, "none": 0}
     committed = _value(fams, "dspark_spec_committed_tokens_total")
     assert _value(fams, "dspark_spec_acceptance_length") == pytest.approx(committed / rounds)
     verified = _value(fams, "dspark_spec_verified_draft_tokens_total")

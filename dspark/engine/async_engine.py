@@ -359,4 +359,5 @@ class AsyncEngine:
             kv_tokens_in_use=engine.kv.tokens_in_use(),
             kv_free_slots=engine.kv.num_free_slots,
             live_stats=live,
+            drafted_steps=(engine.num_full_drafts, engine.num_partial_drafts, engine.num_draft_skips),
         ))

@@ -84,8 +84,9 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
-        self.num_draft_skips = 0  # decode steps where the policy chose not to draft
-        self.num_partial_drafts = 0  # decode steps where it drafted only some requests
+        self.num_full_drafts = 0  # steps with decoding requests where every one of them drafted
+        self.num_partial_drafts = 0  # ... where the policy drafted only some of them
+        self.num_draft_skips = 0  # ... where it drafted none (a plain decode step)
         self.step_seconds = 0.0
 
     # ------------------------------------------------------------------ API
@@ -167,7 +168,8 @@ class Engine:
                 proposal.num_drafted[i] = max(room, 0)
         if len(rows) < len(decoding):
             self.num_partial_drafts += 1  # the others decode plainly this step
-            proposal = spread_proposal(proposal, rows, len(decoding))
+            return spread_proposal(proposal, rows, len(decoding))
+        self.num_full_drafts += 1
         return proposal
 
     def _rows_to_draft(self, decoding: list[Request]) -> list[int]:

@@ -93,6 +93,7 @@ class EngineGauges:
     kv_tokens_in_use: int = 0
     kv_free_slots: int = 0
     live_stats: SpecStats | None = None  # merged stats of the running requests
+    drafted_steps: tuple[int, int, int] = (0, 0, 0)  # steps with decoding requests: all, some, none drafted
 
 
 @dataclass
@@ -192,6 +193,9 @@ class ServingMetrics:
         out.counter("generation_tokens_total", "Generated (committed, returned) tokens.", c.generation_tokens)
         out.gauge("kv_tokens_in_use", "Tokens held in the KV cache over all requests.", g.kv_tokens_in_use)
         out.gauge("kv_free_slots", "Free request slots in the KV cache.", g.kv_free_slots)
+        out.family("decode_steps_total", "counter",
+                   "Engine steps with decoding requests, by how many of them the policy drafted for.",
+                   [({"drafted": k}, n) for k, n in zip(("all", "some", "none"), g.drafted_steps)])
 
     def _render_timing(self, out: "_Writer") -> None:
         out.histogram("step_seconds", "Wall time of one engine step (draft, schedule, verify, commit).", self._step)

@@ -30,14 +30,20 @@ offline. The gate compares what they promised with what the verifier
 accepted on recent drafted rounds (decayed sums) and scales the curves by
 realised / predicted, so an over-confident head stops opening the gate.
 
-Exploration: curves only refresh when a step drafts. A request with no curve
-yet (it just started decoding) stands in with the mean of the last
+Exploration: curves only refresh when a request drafts. A request with no
+curve yet (it just started decoding) stands in with the mean of the last
 `history` curves recorded from any request (the asynchronous scheduler's
-proxy); only while no curve was ever recorded does the step draft to learn
-one. After `probe_every` consecutive steps that left some request undrafted,
-one step drafts every request (one batched round refreshes all curves at the
-lowest cost per request), so a request whose text turned predictable (code,
-a quotation) is noticed. Probing costs at most D(R) / (probe_every + 1) per step.
+proxy). While no curve was ever recorded, a step drafts a quarter of its
+requests (at least one) to learn one. After `probe_every` consecutive steps
+that left some request undrafted, a step also drafts the stalest quarter of
+its requests (no curve first, then the oldest curves), so a request whose
+text turned predictable (code, a quotation) is noticed within
+4 x probe_every steps. Probing a quarter, not everyone, matters on a CPU: a
+request's first draft also projects all its context into the drafter
+(`DSparkDrafter.project_pending`), so a probe of all 16 requests at 16
+clients cost about one whole decode step (docs/LOAD.md, run H). A drafter
+without a confidence head never yields a curve: the gate then drafts
+everyone, every step (the schedulers verify all its tokens).
 
 Measured (docs/LOAD.md): with a new request forcing a draft, closed-loop
 traffic at 16 clients drafted whenever a request joined, and the scheduler
@@ -46,6 +52,7 @@ lost 14 % throughput to no speculation; the proxy removes those drafts.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Hashable, Sequence
 
@@ -58,38 +65,62 @@ PRIOR_TOKENS = 4.0  # pseudo-count pulling the acceptance ratio towards 1 while 
 class DraftGate:
     """Per step and request: draft (True) or decode plainly (False); see the module docstring."""
 
-    def __init__(self, cost: SplitCost, probe_every: int = 32, history: int = 64, decay: float = 0.98) -> None:
+    def __init__(self, cost: SplitCost, probe_every: int = 32, history: int = 64, decay: float = 0.98,
+                 probe_fraction: float = 0.25) -> None:
         if probe_every < 1 or history < 1:
             raise ValueError(f"probe_every and history must be >= 1, got {probe_every} and {history}")
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
-        self.cost, self.probe_every, self.decay = cost, probe_every, decay
+        if not 0.0 < probe_fraction <= 1.0:
+            raise ValueError(f"probe_fraction must be in (0, 1], got {probe_fraction}")
+        self.cost, self.probe_every, self.decay, self.probe_fraction = cost, probe_every, decay, probe_fraction
         # accepted draft tokens realised vs predicted by the survival curves (decayed sums)
         self.realised = self.predicted = 0.0
         self.curves: dict[Hashable, list[float]] = {}  # request id -> survival curve of its last drafted round
+        self.refreshed: dict[Hashable, int] = {}  # request id -> step its curve was recorded
         self.recent: deque[list[float]] = deque(maxlen=history)  # last recorded curves of any request
         self.skipped = 0  # consecutive steps that left some request undrafted
+        self.steps = 0
+        self.blind = False  # a drafted request came back without confidences: no curves to be had
+        self.probed = False  # the last choice included probes
 
     def choose(self, request_ids: Sequence[Hashable]) -> list[bool]:
         """Which of these requests draft this step (in order)."""
+        self.probed = False
         chosen = self._choose(list(request_ids))
-        self.skipped = 0 if all(chosen) else self.skipped + 1
+        self.skipped = 0 if all(chosen) or self.probed else self.skipped + 1
+        self.steps += 1
         return chosen
 
     def _choose(self, ids: list[Hashable]) -> list[bool]:
-        everyone = [True] * len(ids)
-        if not ids or self.skipped >= self.probe_every:
-            return everyone
+        if not ids or self.blind:
+            return [True] * len(ids)
+        if not self.recent:  # no curve was ever seen: draft some requests to learn one
+            return self._with_probes(ids, [False] * len(ids))
         proxy = None
         if any(i not in self.curves for i in ids):
-            if not self.recent:
-                return everyone  # no curve was ever seen: draft to learn one
             from dspark.schedule.prefix import _mean_curve
 
             proxy = _mean_curve(list(self.recent))
         ratio = self.acceptance_ratio()
         curves = [[min(1.0, a * ratio) for a in self.curves.get(i, proxy)] for i in ids]
-        return self.best_drafts(curves)
+        chosen = self.best_drafts(curves)
+        if self.skipped >= self.probe_every and not all(chosen):
+            chosen = self._with_probes(ids, chosen)
+        return chosen
+
+    def probe_size(self, requests: int) -> int:
+        """How many requests a probe drafts: probe_fraction of them, at least one."""
+        return max(1, math.ceil(requests * self.probe_fraction))
+
+    def _with_probes(self, ids: list[Hashable], chosen: list[bool]) -> list[bool]:
+        """`chosen` plus the probe_size stalest requests it leaves out (no curve first, then
+        the oldest curves; ties in batch order)."""
+        left_out = [k for k, draft in enumerate(chosen) if not draft]
+        left_out.sort(key=lambda k: self.refreshed.get(ids[k], -1))
+        probes = set(left_out[: self.probe_size(len(ids))])
+        self.probed = True
+        return [draft or k in probes for k, draft in enumerate(chosen)]
 
     def acceptance_ratio(self) -> float:
         """Realised / predicted accepted draft tokens over recent verified rounds, each side
@@ -144,7 +175,11 @@ class DraftGate:
         forget requests that are gone."""
         live = {q.request_id for q in requests}
         self.curves = {i: c for i, c in self.curves.items() if i in live}
+        self.refreshed = {i: t for i, t in self.refreshed.items() if i in live}
         for q in requests:
-            if q.confidences is not None and q.num_drafted > 0:
+            if q.num_drafted > 0 and q.confidences is None:
+                self.blind = True  # the drafter has no confidence head
+            elif q.num_drafted > 0:
                 self.curves[q.request_id] = survival(q)
+                self.refreshed[q.request_id] = self.steps
                 self.recent.append(self.curves[q.request_id])
