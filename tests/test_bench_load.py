@@ -13,7 +13,7 @@ import torch
 
 from dspark.bench.arms import Arm, paper_arms, parse_arm
 from dspark.bench.clients import SamplingSpec, loopback_url
-from dspark.bench.load import LoadSettings, load_prompts, run_load_bench
+from dspark.bench.load import LoadSettings, arm_order, load_prompts, run_load_bench
 from dspark.bench.load_report import GoalRoles, check_goals
 from dspark.bench.loadgen import poisson_offsets
 from dspark.draft.checkpoint import save_drafter
@@ -55,8 +55,9 @@ def test_six_paper_arms_in_process_closed_and_poisson(tmp_path):
     data = json.loads((tmp_path / "out" / "tiny.json").read_text())
     assert data["mode"] == "in-process" and data["command"] == "pytest" and not data["skipped"]
     assert len(data["points"]) == 6 * 3 and FIELDS <= set(data["points"][0])
-    # interleaved: the arm order rotates by one from level to level
-    assert [p["arm"] for p in data["points"][:7:6]] == ["nospec", "mtp1"]
+    # interleaved, in the seeded order of each (repeat, level)
+    for index in range(3):
+        assert [p["arm"] for p in data["points"][6 * index: 6 * index + 6]] == [a.name for a in arm_order(arms, 0, index)]
     for level in (1, 2, 40.0):
         points = [p for p in report.points if p.level == level]
         assert {p.arm for p in points} == {a.name for a in arms}
@@ -70,6 +71,18 @@ def test_six_paper_arms_in_process_closed_and_poisson(tmp_path):
         assert open(data["files"][key], "rb").read(4) == PNG
     assert {g["arm"] for g in data["goals"]} == {"dspark", "dspark-async"}
     assert all(g["status"] in ("met", "missed", "not measurable") for g in data["goals"])
+
+
+def test_arm_order_varies_position_and_predecessor_over_repeats():
+    """Over five repeats of one level every arm runs after at least two different arms (or
+    first), and the orders are reproducible: a fixed cyclic order would give each one arm."""
+    arms = paper_arms("d", "m")
+    orders = [arm_order(arms, repeat, 2) for repeat in range(5)]
+    assert orders == [arm_order(arms, repeat, 2) for repeat in range(5)]
+    assert all(sorted(a.name for a in o) == sorted(a.name for a in arms) for o in orders)
+    for arm in arms:
+        before = {o[o.index(arm) - 1].name if o.index(arm) else None for o in orders}
+        assert len(before) >= 2, (arm.name, before)
 
 
 def test_http_mode_reads_a_running_server(tmp_path):

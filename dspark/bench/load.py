@@ -7,8 +7,9 @@ Arms (see `dspark.bench.arms`) run against running servers on 127.0.0.1
 (`Arm.url`: streaming chat completions over HTTP) or in this process (one
 target in memory, a fresh `Engine` + `AsyncEngine` per arm and level, no
 HTTP). All arms run in the same process and sweep, interleaved: for every
-repeat and load level each arm runs once, the arm order rotating from level
-to level, so drift of a shared machine hits every arm alike.
+repeat and load level each arm runs once, in an order shuffled per repeat and
+level (`arm_order`), so drift of a shared machine, and whatever one arm leaves
+behind for the next, hits every arm alike.
 
 Load levels: a closed-loop concurrency sweep and open-loop Poisson arrival
 rates. Prompts are the first user turns of the evaluation benchmarks
@@ -243,13 +244,22 @@ async def _measure(client, arm: Arm, pattern: str, level: float, repeat: int, ru
     return summarize(arm.name, pattern, level, repeat, samples, elapsed, before, after)
 
 
+def arm_order(arms: Sequence[Arm], repeat: int, level_index: int) -> list[Arm]:
+    """The order the arms run in at one (repeat, level): a shuffle seeded by both. Over the
+    repeats each arm runs at different positions and after different arms. A rotation keeps the
+    cyclic order, so an arm would always follow the same arm, and whatever that one leaves
+    behind (a heap grown by drafting, caches) would bias it the same way in every repeat."""
+    order = list(arms)
+    random.Random(f"arm order {repeat}/{level_index}").shuffle(order)
+    return order
+
+
 async def _sweep(arms: list[Arm], run: _Run) -> None:
     levels = run.settings.levels()
     try:
         for repeat in range(run.settings.repeats):
             for index, (pattern, level) in enumerate(levels):
-                shift = (repeat * len(levels) + index) % len(arms)
-                for arm in arms[shift:] + arms[:shift]:
+                for arm in arm_order(arms, repeat, index):
                     if time.perf_counter() >= run.deadline:
                         run.skipped.append({"arm": arm.name, "pattern": pattern, "level": level, "repeat": repeat,
                                             "reason": "the run's max_seconds was spent"})
