@@ -41,7 +41,7 @@ text turned predictable (code, a quotation) is noticed within
 4 x probe_every steps. Probing a quarter, not everyone, matters on a CPU: a
 request's first draft also projects all its context into the drafter
 (`DSparkDrafter.project_pending`), so a probe of all 16 requests at 16
-clients cost about one whole decode step (docs/LOAD.md, run H). A drafter
+clients cost about half a decode step (docs/LOAD.md, run H). A drafter
 without a confidence head never yields a curve: the gate then drafts
 everyone, every step (the schedulers verify all its tokens).
 
