@@ -14,7 +14,7 @@ import torch
 from dspark.bench.arms import Arm, paper_arms, parse_arm
 from dspark.bench.clients import SamplingSpec, loopback_url
 from dspark.bench.load import LoadSettings, arm_order, load_prompts, run_load_bench
-from dspark.bench.load_report import GoalRoles, check_goals
+from dspark.bench.load_report import GoalRoles, check_goals, roles_for
 from dspark.bench.loadgen import poisson_offsets
 from dspark.draft.checkpoint import save_drafter
 from dspark.draft.factory import build_drafter
@@ -27,7 +27,7 @@ from tests.server_harness import VOCAB, CharTokenizer, make_engine, running_serv
 PNG = b"\x89PNG"
 FIELDS = {"arm", "pattern", "level", "repeat", "requests", "completed", "failed", "cut", "duration_s",
           "output_tokens", "throughput", "ttft_mean_s", "ttft_p50_s", "tpot_mean_s", "tps_user_mean", "rounds",
-          "verify_length", "verify_budget", "acceptance_length", "samples"}
+          "verify_length", "verify_budget", "acceptance_length", "drafted_steps", "samples"}
 
 
 def _tiny_loaded(tmp_path):
@@ -67,6 +67,13 @@ def test_six_paper_arms_in_process_closed_and_poisson(tmp_path):
     budgets = {p.arm: p.verify_budget for p in report.points if p.level == 1}
     assert budgets["nospec"] == 1.0 and 1.0 < budgets["mtp1"] <= 2.0 and 1.0 < budgets["dspark-k7"] <= 8.0
     assert all(1.0 <= b <= 8.0 for b in budgets.values())
+    # which decode steps drafted whom: no speculation never drafts, fixed k always drafts everyone
+    steps = {p.arm: p.drafted_steps for p in report.points if p.level == 2}
+    assert steps["nospec"]["all"] == steps["nospec"]["some"] == 0 < steps["nospec"]["none"]
+    assert steps["dspark-k7"]["some"] == steps["dspark-k7"]["none"] == 0 < steps["dspark-k7"]["all"]
+    assert all(sum(s.values()) > 0 for s in steps.values())
+    row = next(r for r in data["summary"] if r["arm"] == "nospec" and r["level"] == 2)
+    assert row["drafted_steps"] == steps["nospec"]
     for key in ("throughput_vs_tps", "vs_concurrency", "poisson"):
         assert open(data["files"][key], "rb").read(4) == PNG
     assert {g["arm"] for g in data["goals"]} == {"dspark", "dspark-async"}
@@ -97,6 +104,7 @@ def test_http_mode_reads_a_running_server(tmp_path):
         assert point.output_tokens == sum(s["output_tokens"] for s in point.samples)
         assert point.ttft_p50_s is not None and point.tps_user_mean > 0
         assert 1.0 < point.verify_budget <= 5.0 and point.acceptance_length >= 1.0  # fixed k=4, block 4
+        assert point.drafted_steps["all"] > 0 and point.drafted_steps["some"] == point.drafted_steps["none"] == 0
     assert (tmp_path / "load_vs_concurrency.png").read_bytes()[:4] == PNG
 
 
@@ -113,6 +121,20 @@ def test_wall_time_limits_cut_requests_and_skip_levels(tmp_path):
     assert first.cut == 2 and first.completed == 0 and first.duration_s == pytest.approx(0.6, abs=0.05)
     assert first.output_tokens > 0 and first.throughput > 0
     assert [(s["pattern"], s["level"]) for s in report.skipped] == [("closed", 4)]
+
+
+def test_counters_need_the_drafted_steps_family():
+    from dspark.bench.clients import ServerCounters
+
+    with running_server(make_engine(seed=5, policy="fixed")) as server:
+        import httpx
+
+        text = httpx.get(f"{server.base_url}/metrics").text
+    counters = ServerCounters.parse(text)
+    assert counters.drafted_steps == (0, 0, 0) and counters.idle
+    old = "\n".join(line for line in text.splitlines() if "decode_steps_total" not in line)
+    with pytest.raises(UserError, match='dspark_decode_steps_total{drafted="all"}.*Upgrade the server'):
+        ServerCounters.parse(old)
 
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://localhost:1/", "http://[::1]:9/v1",
@@ -171,6 +193,15 @@ def test_goals_on_fabricated_rows():
     assert throughput["status"] == "missed" and matched["status"] == "missed"
     missing = check_goals([r for r in rows if r["arm"] != "mtp1"], [{"name": "mtp1", "pending": "no drafter"}], roles)
     assert missing[1]["status"] == "not measurable" and "no drafter" in missing[1]["why"]
+
+
+def test_goal_roles_come_from_the_arms_policies():
+    assert roles_for([a.as_dict() for a in paper_arms("d", "m")]) == GoalRoles()
+    ngram = [parse_arm(s).as_dict() for s in ("plain=none:none", "ng2=ngram:fixed:2", "ng7=ngram:fixed:7",
+                                               "ng=ngram:dspark", "nga=ngram:dspark-async", "ngt=ngram:threshold")]
+    roles = roles_for(ngram)
+    assert (roles.schedulers, roles.nospec, roles.fixed, roles.mtp) == (("ng", "nga"), "plain", "ng7", "mtp1")
+    assert roles_for([parse_arm("a=http://127.0.0.1:9").as_dict()]) == GoalRoles()  # HTTP: names only
 
 
 def test_poisson_offsets_have_the_asked_rate():

@@ -22,7 +22,15 @@ def test_options_reach_the_run(calls):
     assert calls[-1] == ((), {"name": "load_cpu", "only": None, "repeats": None})
 
 
+def test_arms_replace_the_default_ones(calls):
+    load_docs.main(["--arm", "plain=none:none", "--arm", "ng=ngram:dspark", "--name", "load_ng"])
+    (args, kw), = calls
+    assert args == () and [a.name for a in kw["arms"]] == ["plain", "ng"] and kw["arms"][1].policy == "dspark"
+
+
 @pytest.mark.parametrize("argv,message", [(["--repeats", "0"], "--repeats takes a whole number >= 1"),
+                                          (["--arm", "ng=ngram:fast"], "bad arm 'ng=ngram:fast'"),
+                                          (["runs/d", "--arm", "a=none:none"], "drafter folders or --arm, not both"),
                                           (["--repeats", "two"], "--repeats takes a whole number >= 1"),
                                           (["--fast"], "unknown option --fast")])
 def test_bad_options_stop_before_running(calls, argv, message):

@@ -60,10 +60,11 @@ def _exact_joint(target, params: SamplingParams) -> torch.Tensor:
 
 
 def _engine_samples(
-    target, drafter, policy: str, params: SamplingParams, num_samples: int = SAMPLES, batch: int = BATCH
+    target, drafter, policy: str, params: SamplingParams, num_samples: int = SAMPLES, batch: int = BATCH,
+    cost: CostTable | None = None,
 ) -> torch.Tensor:
     # flat up to about two tokens per request, steep after: the schedulers verify part of each block
-    cost = CostTable({1: 0.010, 512: 0.020, 1024: 0.024, 1536: 0.040, 4096: 0.300})
+    cost = cost or CostTable({1: 0.010, 512: 0.020, 1024: 0.024, 1536: 0.040, 4096: 0.300})
     engine = Engine(
         target, drafter, build_policy(policy, block_size=drafter.block_size, cost=cost, threshold=0.4),
         EngineConfig(max_running=batch, max_seq_len=32, kv_budget_tokens=batch * 32, max_prefill_tokens=batch * 8),
@@ -116,6 +117,22 @@ def test_engine_output_matches_target_distribution(policy, params):
     target = _flat_target()
     drafter = BigramDrafter(VOCAB, block_size=3, seed=4, sharpness=1.5)
     samples = _engine_samples(target, drafter, policy, params)
+    result = chi_square(samples, _exact_joint(target, params), VOCAB)
+    assert result.p_value > ALPHA, result
+
+
+@pytest.mark.parametrize("policy", ["dspark", "dspark-async"])
+def test_prompt_lookup_with_its_confidences_is_lossless(policy):
+    """The ngram drafter's point-mass drafts, verified to the lengths the DSpark schedulers pick
+    from its running hit-rate confidences (the prompt repeats tokens, so lookups find matches).
+    Its copies are accepted about as often as a random token here (~0.15), so the step cost
+    makes a first verified token per request cheap and further ones dear."""
+    from dspark.draft.ngram import NgramDrafter
+
+    target = _flat_target()
+    params = SamplingParams(temperature=0.9, max_new_tokens=NUM_TOKENS + 1, ignore_eos=True)
+    cost = CostTable({1: 0.010, 512: 0.0100, 1024: 0.0105, 1536: 0.014, 2048: 0.030})
+    samples = _engine_samples(target, NgramDrafter(block_size=3), policy, params, num_samples=8192, cost=cost)
     result = chi_square(samples, _exact_joint(target, params), VOCAB)
     assert result.p_value > ALPHA, result
 

@@ -74,13 +74,12 @@ def test_mixed_ragged_batch_matches_hf(family: str) -> None:
     assert [cache.length(s) for s in slots] == [len(p) + len(n) for p, n in zip(prefixes, news)]
 
 
-def _ragged_vs_sequential(slot_choice: list[int]) -> None:
+def _ragged_vs_sequential(slot_choice: list[int], qlens=(3, 1, 8, 2), prefix_lens=(12, 4, 25, 9)) -> None:
     model = tiny_target(1)
     batched, single = model.new_cache(40, 64), model.new_cache(40, 64)
     for cache in (batched, single):
         for _ in range(40):
             cache.allocate()
-    qlens, prefix_lens = [3, 1, 8, 2], [12, 4, 25, 9]
     requests = [(s, random_tokens(p, seed=s)) for s, p in zip(slot_choice, prefix_lens)]
     new = [(s, random_tokens(q, seed=100 + s)) for s, q in zip(slot_choice, qlens)]
     forward(model, batched, requests)  # prefill together
@@ -101,6 +100,20 @@ def test_ragged_batch_equals_one_request_at_a_time_compact_slots() -> None:
 
 def test_ragged_batch_equals_one_request_at_a_time_scattered_slots() -> None:
     _ragged_vs_sequential([38, 0, 21, 9])  # a wide span: the slots are gathered instead
+
+
+def test_attention_parts_group_requests_by_query_length() -> None:
+    from dspark.models.llama import query_parts
+
+    assert query_parts([1, 1, 1]) == [[0, 1, 2]]
+    assert query_parts([1, 3, 1, 4, 1, 8, 9, 2, 100]) == [[0, 2, 4], [1, 3], [5], [6], [7], [8]]
+
+
+def test_decodes_beside_verifications_equal_one_request_at_a_time() -> None:
+    """Decoding requests, two verifying requests (one part, not adjacent in the batch) and a
+    prefill chunk: three attention parts whose rows interleave in the batch."""
+    _ragged_vs_sequential([5, 3, 4, 7, 8, 6], qlens=(1, 3, 1, 4, 1, 12), prefix_lens=(12, 4, 25, 9, 30, 2))
+    _ragged_vs_sequential([38, 0, 21, 9, 17, 30], qlens=(1, 3, 1, 4, 1, 12), prefix_lens=(12, 4, 25, 9, 30, 2))
 
 
 def test_rollback_equals_never_forwarding_rejected_tokens() -> None:

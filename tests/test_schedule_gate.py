@@ -58,6 +58,24 @@ def test_gate_drafts_only_when_the_best_drafted_step_beats_plain_decoding():
     assert gate.plain_rate(1) == pytest.approx(20.0)
 
 
+def test_nearly_free_drafting_drafts_everyone():
+    """Prompt lookup: drafting costs 0.05 ms against a 50 ms step (0.1 %), so the gate drafts
+    every request even behind poor curves; Algorithm 1 then judges each fresh draft. The same
+    curves behind a drafter costing 20 ms a request (40 %) are skipped."""
+    curves = [_req(r, [0.2, 0.1, 0.1]) for r in "abc"]
+    cheap, dear = DraftGate(_split(50, 5, 0.05)), DraftGate(_split(50, 5, 20))
+    for gate in (cheap, dear):
+        gate.record(curves)
+    assert cheap.drafting_is_free(3) and cheap.choose(list("abc")) == [True] * 3
+    assert not dear.drafting_is_free(3) and dear.choose(list("abc")) == [False] * 3
+    # the threshold is a fraction of the plain step: 0.5 ms a request for 3 requests is 1.5 / 60 = 2.5 %
+    assert not DraftGate(_split(50, 5, 0.5)).drafting_is_free(3)
+    assert DraftGate(_split(50, 5, 0.5), free_fraction=0.03).drafting_is_free(3)
+    assert not DraftGate(_split(50, 5, 0.05), free_fraction=0.0).drafting_is_free(3)
+    with pytest.raises(ValueError, match="free_fraction"):
+        DraftGate(_split(50, 5, 0.05), free_fraction=1.0)
+
+
 def test_gate_discounts_curves_by_the_acceptance_actually_realised():
     """A head that promises 0.9 per token while the verifier accepts almost nothing stops
     opening the gate once the outcomes outweigh the prior; honest outcomes keep it open."""

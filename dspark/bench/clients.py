@@ -99,6 +99,8 @@ _COUNTERS = {
     "queue_depth": "dspark_queue_depth",
     "failed": "dspark_requests_failed_total",
 }
+_DRAFTED_STEPS = "dspark_decode_steps_total"  # labelled drafted="all" | "some" | "none"
+DRAFTED_KINDS = ("all", "some", "none")
 
 
 @dataclass(frozen=True)
@@ -114,20 +116,31 @@ class ServerCounters:
     running: int
     queue_depth: int
     failed: int
+    drafted_steps: tuple[int, int, int]  # decode steps that drafted all, some, none of their requests
 
     @classmethod
     def parse(cls, text: str) -> "ServerCounters":
-        """Read the unlabelled samples of the families above from Prometheus text."""
+        """Read the unlabelled samples of the families above, and the drafted-steps
+        family by its label, from Prometheus text."""
         values: dict[str, float] = {}
+        drafted: dict[str, int] = {}
         for line in text.splitlines():
-            if line.startswith("#") or "{" in line or " " not in line:
+            if line.startswith("#") or " " not in line:
                 continue
-            name, _, value = line.partition(" ")
-            values[name] = float(value)
+            name, _, value = line.rpartition(" ")
+            if "{" not in name:
+                values[name] = float(value)
+            elif name.startswith(_DRAFTED_STEPS + "{"):
+                for kind in DRAFTED_KINDS:
+                    if f'drafted="{kind}"' in name:
+                        drafted[kind] = int(float(value))
         missing = [m for m in _COUNTERS.values() if m not in values]
+        missing += [f'{_DRAFTED_STEPS}{{drafted="{k}"}}' for k in DRAFTED_KINDS if k not in drafted]
         if missing:
-            raise UserError(f"the server's /metrics lacks {', '.join(missing)}; is it a dspark server?")
-        return cls(**{field: int(values[metric]) for field, metric in _COUNTERS.items()})
+            raise UserError(f"the server's /metrics lacks {', '.join(missing)}; is it a dspark server of this "
+                            "version? Upgrade the server to the load generator's version")
+        return cls(**{field: int(values[metric]) for field, metric in _COUNTERS.items()},
+                   drafted_steps=tuple(drafted[k] for k in DRAFTED_KINDS))
 
     @property
     def idle(self) -> bool:

@@ -1,12 +1,15 @@
 """The load run behind docs/LOAD.md and docs/figures/load_cpu_*:
 
     .venv/bin/python -m dspark.bench.load_docs [DSPARK_DRAFTER_DIR [MTP_DRAFTER_DIR]] [--only ARMS] [--name STEM] [--repeats N]
+    .venv/bin/python -m dspark.bench.load_docs --arm NAME=DRAFTER:POLICY[:OPTION] [--arm ...] [--name STEM] [--repeats N]
 
 In process, on the embedded SmolLM2-135M target (float32, CPU). Without
 drafter folders it measures no speculation against the model-free n-gram
 drafter verifying its whole block (the stand-in speculative arm) and lists
 the paper's learned-drafter arms as pending; with trained folders it runs the
-paper's six arms beside the n-gram one.
+paper's six arms. `--arm` (repeatable, the syntax of `dspark bench serve
+--arm`) runs the given arms instead, e.g. prompt lookup under each policy;
+their goal roles come from their policies (`roles_for`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from dspark.bench.arms import Arm, paper_arms
+from dspark.bench.arms import Arm, paper_arms, parse_arm
 from dspark.bench.clients import SamplingSpec
 from dspark.bench.load import LoadSettings, run_load_bench
 from dspark.bench.load_report import LoadReport
@@ -30,9 +33,11 @@ NGRAM = Arm("ngram-k7", "ngram", "fixed", k=7, block_size=7)
 
 def docs_run(dspark_drafter: str | None = None, mtp_drafter: str | None = None,
              out_dir: str | Path = "docs/figures", name: str = "load_cpu",
-             only: list[str] | None = None, repeats: int | None = None) -> LoadReport:
+             only: list[str] | None = None, repeats: int | None = None,
+             arms: list[Arm] | None = None) -> LoadReport:
     """The docs' load run; `only` keeps the named arms (a rerun of some arms after a change);
-    `repeats` replaces the default 3 sweeps (more repeats, a tighter noise estimate)."""
+    `repeats` replaces the default 3 sweeps (more repeats, a tighter noise estimate); `arms`
+    replaces the arms the drafter folders give."""
     import dataclasses
 
     import torch
@@ -40,9 +45,10 @@ def docs_run(dspark_drafter: str | None = None, mtp_drafter: str | None = None,
     from dspark.errors import UserError
 
     torch.set_num_threads(TORCH_THREADS)
-    paper = paper_arms(dspark_drafter, mtp_drafter)
-    # the n-gram stand-in runs only while no learned drafter is given (it keeps the run short otherwise)
-    arms = paper if dspark_drafter or mtp_drafter else [paper[0], NGRAM] + paper[1:]
+    if arms is None:
+        paper = paper_arms(dspark_drafter, mtp_drafter)
+        # the n-gram stand-in runs only while no learned drafter is given (it keeps the run short otherwise)
+        arms = paper if dspark_drafter or mtp_drafter else [paper[0], NGRAM] + paper[1:]
     if only:
         unknown = sorted(set(only) - {a.name for a in arms})
         if unknown:
@@ -54,8 +60,9 @@ def docs_run(dspark_drafter: str | None = None, mtp_drafter: str | None = None,
 
 
 def main(argv: list[str]) -> None:
-    """DSPARK_DIR [MTP_DIR] [--only ARM,ARM] [--name STEM] [--repeats N] (no argparse outside cli.py)."""
-    positional, options = [], {"--only": "", "--name": "load_cpu", "--repeats": ""}
+    """DSPARK_DIR [MTP_DIR] [--only ARM,ARM] [--name STEM] [--repeats N] [--arm NAME=DRAFTER:POLICY[:OPTION] ...]
+    (no argparse outside cli.py)."""
+    positional, options, arm_specs = [], {"--only": "", "--name": "load_cpu", "--repeats": ""}, []
     args = iter(argv)
     for arg in args:
         if arg in ("-h", "--help"):
@@ -63,17 +70,29 @@ def main(argv: list[str]) -> None:
             return
         if arg in options:
             options[arg] = next(args, "")
+        elif arg == "--arm":
+            arm_specs.append(next(args, ""))
         elif arg.startswith("-"):
-            raise SystemExit(f"unknown option {arg}; the options are --only ARM,ARM, --name STEM and --repeats N")
+            raise SystemExit(f"unknown option {arg}; the options are --only ARM,ARM, --name STEM, --repeats N and "
+                             "--arm NAME=DRAFTER:POLICY[:OPTION]")
         else:
             positional.append(arg)
+    if arm_specs and positional:
+        raise SystemExit("give drafter folders or --arm, not both: --arm lists every arm of the run")
     only = [a for a in options["--only"].split(",") if a] or None
     repeats = None
     if options["--repeats"]:
         if not options["--repeats"].isdigit() or int(options["--repeats"]) < 1:
             raise SystemExit(f"--repeats takes a whole number >= 1, got {options['--repeats']!r}")
         repeats = int(options["--repeats"])
-    docs_run(*positional[:2], name=options["--name"] or "load_cpu", only=only, repeats=repeats)
+    from dspark.errors import UserError
+
+    try:
+        arms = [parse_arm(spec) for spec in arm_specs] or None
+    except UserError as err:
+        raise SystemExit(str(err)) from None
+    extra = {"arms": arms} if arms else {}
+    docs_run(*positional[:2], name=options["--name"] or "load_cpu", only=only, repeats=repeats, **extra)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,24 @@ class GoalRoles:
     speedup: float = 1.6  # goal 2: per-user speed ratio at matched throughput
 
 
+def roles_for(arms: list[dict]) -> GoalRoles:
+    """The roles of the arms of a run, read from their policies: the schedulers are the arms of
+    the `dspark` and `dspark-async` policies, the no-speculation arm the one of policy `none`, the
+    fixed-k arm the `fixed` one verifying the most tokens, MTP-1 the arm named `mtp1`. For the
+    paper's arms these are its names; a run of other drafters (say prompt lookup under each
+    policy) gets its goals checked the same way. HTTP arms (no policy known) keep the names."""
+    known = [a for a in arms if a.get("policy")]
+    if not known:
+        return GoalRoles()
+    default = GoalRoles()
+    schedulers = tuple(a["name"] for a in known if a["policy"] in ("dspark", "dspark-async"))
+    nospec = next((a["name"] for a in known if a["policy"] == "none"), default.nospec)
+    fixed = [a for a in known if a["policy"] == "fixed" and a["name"] != default.mtp]
+    width = lambda a: a["k"] if a.get("k") is not None else a.get("block_size") or 10**9  # noqa: E731
+    return GoalRoles(schedulers=schedulers or default.schedulers, nospec=nospec,
+                     fixed=max(fixed, key=width)["name"] if fixed else default.fixed)
+
+
 def _mean(xs: list) -> float | None:
     xs = [x for x in xs if x is not None]
     return statistics.fmean(xs) if xs else None
@@ -74,6 +92,7 @@ def aggregate(points: list) -> list[dict]:
             "acceptance_length": _mean([p.acceptance_length for p in ps]),
             "completed": sum(p.completed for p in ps), "failed": sum(p.failed for p in ps),
             "cut": sum(p.cut for p in ps),
+            "drafted_steps": {k: sum(p.drafted_steps.get(k, 0) for p in ps) for k in ("all", "some", "none")},
         })
     return rows
 
@@ -165,7 +184,7 @@ class LoadReport:
     def build(cls, **kw) -> "LoadReport":
         report = cls(**kw)
         report.summary = aggregate(report.points)
-        report.goals = check_goals(report.summary, report.arms)
+        report.goals = check_goals(report.summary, report.arms, roles_for(report.arms))
         return report
 
     def as_dict(self) -> dict:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from dspark.bench.clients import BenchPrompt, RequestSample, SamplingSpec, ServerCounters
+from dspark.bench.clients import DRAFTED_KINDS, BenchPrompt, RequestSample, SamplingSpec, ServerCounters
 
 OnDone = Callable[[RequestSample], None]
 
@@ -155,6 +155,7 @@ class LevelPoint:
     verify_budget: float | None  # 1 + verify_length: tokens per request in one target forward
     acceptance_length: float | None  # tau: committed tokens per round
     achieved_rate: float  # finished requests/s
+    drafted_steps: dict[str, int] = field(default_factory=dict)  # decode steps that drafted all/some/none requests
     errors: list[str] = field(default_factory=list)  # the first few distinct errors
     samples: list[dict] = field(default_factory=list)
 
@@ -180,5 +181,6 @@ def summarize(arm: str, pattern: str, level: float, repeat: int, samples: list[R
         verify_length=verify_length, verify_budget=None if verify_length is None else 1.0 + verify_length,
         acceptance_length=committed / rounds if rounds else None,
         achieved_rate=len(ok) / elapsed if elapsed > 0 else 0.0, errors=errors,
+        drafted_steps={k: b - a for k, a, b in zip(DRAFTED_KINDS, before.drafted_steps, after.drafted_steps)},
         samples=[s.as_dict() for s in samples],
     )

@@ -12,17 +12,25 @@ def _level(row: dict) -> str:
     return f"c={row['level']:g}" if row["pattern"] == "closed" else f"{row['level']:g} req/s"
 
 
+def _drafted(steps: dict | None) -> str:
+    """Shares of the decode steps that drafted all, some and none of their requests."""
+    total = sum((steps or {}).values())
+    if not total:
+        return "-"
+    return " / ".join(f"{100 * steps[k] / total:.0f} %" for k in ("all", "some", "none"))
+
+
 def summary_table(summary: list[dict]) -> str:
     head = ("| arm | load | repeats | throughput tok/s | tok/s/user | TTFT p50 s | verify budget | tau | "
-            "done / failed / cut |")
-    lines = [head, "|" + "---|" * 9]
+            "steps drafting all / some / none | done / failed / cut |")
+    lines = [head, "|" + "---|" * 10]
     order = {"closed": 0, "poisson": 1}
     for r in sorted(summary, key=lambda r: (order[r["pattern"]], r["level"], r["arm"])):
         sd = "" if r["throughput_sd"] is None else f" ± {r['throughput_sd']:.1f}"
         lines.append(
             f"| {r['arm']} | {_level(r)} | {r['repeats']} | {r['throughput']:.1f}{sd} | {_f(r['tps_user'])} | "
             f"{_f(r['ttft_p50_s'], '.2f')} | {_f(r['verify_budget'], '.2f')} | {_f(r['acceptance_length'], '.2f')} | "
-            f"{r['completed']} / {r['failed']} / {r['cut']} |")
+            f"{_drafted(r.get('drafted_steps'))} | {r['completed']} / {r['failed']} / {r['cut']} |")
     return "\n".join(lines)
 
 

@@ -37,19 +37,28 @@ def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
+class AttentionPart:
+    """Some requests of a ragged batch whose attention runs as one padded call: each query
+    is padded to the part's longest (see `query_parts`)."""
+
+    rows: torch.Tensor | None  # [n] the part's rows among the batch's N tokens; None: all N, in order
+    span_start: int  # first cache slot of the span S attention reads
+    span: int  # S: slots in the span (>= the part's requests)
+    max_query: int  # longest query length among the part's requests
+    attended: int  # L: cached + new length of the part's longest request
+    mask: torch.Tensor | None  # [S, 1, Q, L] additive mask (0 / -inf), None when not needed
+    scatter_rows: torch.Tensor | None  # [n] row in the padded [S * max_query] layout; None when dense
+    gather_slots: torch.Tensor | None  # [S] cache slots to gather when they are not a compact range
+
+
+@dataclass
 class AttentionPlan:
     """Everything the layers of one forward share about the ragged batch."""
 
     write_index: torch.Tensor  # [N * Hkv] flat cache positions of the new keys
     cos: torch.Tensor  # [N, 1, hd] rotary cos at each token's position
     signed_sin: torch.Tensor  # [N, 1, hd] rotary sin, first half negated (see _rope)
-    span_start: int  # first cache slot of the span S attention reads
-    span: int  # S: slots in the span (>= R)
-    max_query: int  # longest query length among the requests
-    attended: int  # L: cached + new length of the longest request
-    mask: torch.Tensor | None  # [S, 1, Q, L] additive mask (0 / -inf), None when not needed
-    scatter_rows: torch.Tensor | None  # [N] row in the padded [S * max_query] layout; None when dense
-    gather_slots: torch.Tensor | None  # [S] cache slots to gather when they are not a compact range
+    parts: list[AttentionPart]  # the requests grouped by query length, one attention call each
 
 
 def _fuse_rows(state: dict, prefix: str, names: tuple[str, ...], fused: str) -> None:
@@ -125,27 +134,38 @@ def _rope(x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
 
 def _ragged_attention(q: torch.Tensor, cache: KVCache, layer: int, plan: AttentionPlan, hkv: int) -> torch.Tensor:
     """q [N, H, hd] (rotated) -> [N, H * hd], attending to each request's cache (already holding
-    the new keys). Queries are laid out [S, Hkv, Q, hd] with Q = (H / Hkv) * max_query rows per kv
-    head, so no key/value head is repeated."""
+    the new keys), one call per part of the plan."""
+    if len(plan.parts) == 1 and plan.parts[0].rows is None:
+        return _part_attention(q, cache, layer, plan.parts[0], hkv)
     n, h, hd = q.shape
-    s, mq, group = plan.span, plan.max_query, h // hkv
-    if plan.gather_slots is None:
-        keys = cache.keys[layer][plan.span_start : plan.span_start + s, :, : plan.attended]
-        values = cache.values[layer][plan.span_start : plan.span_start + s, :, : plan.attended]
+    out = q.new_empty(n, h * hd)
+    for part in plan.parts:
+        out.index_copy_(0, part.rows, _part_attention(q.index_select(0, part.rows), cache, layer, part, hkv))
+    return out
+
+
+def _part_attention(q: torch.Tensor, cache: KVCache, layer: int, part: AttentionPart, hkv: int) -> torch.Tensor:
+    """One part's attention. Queries are laid out [S, Hkv, Q, hd] with Q = (H / Hkv) *
+    max_query rows per kv head, so no key/value head is repeated."""
+    n, h, hd = q.shape
+    s, mq, group = part.span, part.max_query, h // hkv
+    if part.gather_slots is None:
+        keys = cache.keys[layer][part.span_start : part.span_start + s, :, : part.attended]
+        values = cache.values[layer][part.span_start : part.span_start + s, :, : part.attended]
     else:
-        keys = cache.keys[layer][:, :, : plan.attended].index_select(0, plan.gather_slots)
-        values = cache.values[layer][:, :, : plan.attended].index_select(0, plan.gather_slots)
-    if plan.scatter_rows is None and mq == 1:  # one new token per request: no padding, no copies
-        out = F.scaled_dot_product_attention(q.view(s, hkv, group, hd), keys, values, attn_mask=plan.mask)
+        keys = cache.keys[layer][:, :, : part.attended].index_select(0, part.gather_slots)
+        values = cache.values[layer][:, :, : part.attended].index_select(0, part.gather_slots)
+    if part.scatter_rows is None and mq == 1:  # one new token per request: no padding, no copies
+        out = F.scaled_dot_product_attention(q.view(s, hkv, group, hd), keys, values, attn_mask=part.mask)
         return out.reshape(n, h * hd)
-    if plan.scatter_rows is None:
+    if part.scatter_rows is None:
         padded = q.view(s, mq, hkv, group, hd)
     else:
-        padded = q.new_zeros(s * mq, h, hd).index_copy_(0, plan.scatter_rows, q).view(s, mq, hkv, group, hd)
+        padded = q.new_zeros(s * mq, h, hd).index_copy_(0, part.scatter_rows, q).view(s, mq, hkv, group, hd)
     queries = padded.permute(0, 2, 3, 1, 4).reshape(s, hkv, group * mq, hd)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask)  # [S, Hkv, Q, hd]
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=part.mask)  # [S, Hkv, Q, hd]
     out = out.view(s, hkv, group, mq, hd).permute(0, 3, 1, 2, 4).reshape(s * mq, h * hd)
-    return out if plan.scatter_rows is None else out.index_select(0, plan.scatter_rows)
+    return out if part.scatter_rows is None else out.index_select(0, part.scatter_rows)
 
 
 class MLP(nn.Module):
@@ -296,6 +316,35 @@ def make_plan(batch: RaggedBatch, cache: KVCache, config: TargetConfig, dtype: t
     half = config.head_dim // 2
     signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
     write_index = cache.flat_index(slots, starts, qlens)
+    group = config.num_attention_heads // config.num_key_value_heads
+    groups = query_parts(qlens)
+    offsets = [0]
+    for q in qlens:
+        offsets.append(offsets[-1] + q)
+    parts = []
+    for members in groups:
+        rows = None
+        if len(groups) > 1:
+            rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in members])
+        parts.append(_make_part(rows, [slots[i] for i in members], [starts[i] for i in members],
+                                [qlens[i] for i in members], cache, group, dtype))
+    return AttentionPlan(write_index=write_index, cos=cos[:, None], signed_sin=signed_sin[:, None], parts=parts)
+
+
+def query_parts(qlens: list[int]) -> list[list[int]]:
+    """The batch's requests (indices, in order) grouped for attention by query length: one
+    new token, 2, 3-4, 5-8, 9-16 and so on. A padded attention call costs as if every request
+    had the longest query, so one request verifying 8 tokens, or one prefill chunk of 100,
+    beside 15 decoding requests would pad all 16 to its length; per group the padding is
+    under 2x. Groups are listed by their first request."""
+    buckets: dict[int, list[int]] = {}
+    for i, q in enumerate(qlens):
+        buckets.setdefault((q - 1).bit_length(), []).append(i)
+    return list(buckets.values())
+
+
+def _make_part(rows: torch.Tensor | None, slots: list[int], starts: list[int], qlens: list[int], cache: KVCache,
+               group: int, dtype: torch.dtype) -> AttentionPart:
     lo, hi = min(slots), max(slots) + 1
     compact = hi - lo <= 2 * len(slots)
     span_slots = list(range(lo, hi)) if compact else sorted(slots)
@@ -307,13 +356,10 @@ def make_plan(batch: RaggedBatch, cache: KVCache, config: TargetConfig, dtype: t
     scatter = None
     if not dense:
         scatter = torch.cat([torch.arange(q) + row_of[slot] * max_query for slot, q in zip(slots, qlens)])
-    group = config.num_attention_heads // config.num_key_value_heads
     mask = _make_mask(span_slots, row_of, slots, starts, max_query, attended, group, dtype)
-    return AttentionPlan(
-        write_index=write_index, cos=cos[:, None], signed_sin=signed_sin[:, None], span_start=lo if compact else 0, span=len(span_slots),
-        max_query=max_query, attended=attended, mask=mask, scatter_rows=scatter,
-        gather_slots=None if compact else torch.tensor(span_slots),
-    )
+    return AttentionPart(rows=rows, span_start=lo if compact else 0, span=len(span_slots), max_query=max_query,
+                         attended=attended, mask=mask, scatter_rows=scatter,
+                         gather_slots=None if compact else torch.tensor(span_slots))
 
 
 def _make_mask(
