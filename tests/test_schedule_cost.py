@@ -149,6 +149,19 @@ def test_budget_grid_dense_then_geometric():
     assert budget_grid(5) == [1, 2, 3, 4, 5]
 
 
+def test_budget_grid_measures_both_sides_of_row_group_edges():
+    """A kernel multiplying rows in groups of 8 makes B = 17 cost a third pass over the weights:
+    the grid holds 16 and 17 (and 24, 25, ...) up to the kernel's largest row count."""
+    plain = budget_grid(128, dense_until=8, ratio=1.3)
+    grid = budget_grid(128, dense_until=8, ratio=1.3, row_group=8, row_group_until=48)
+    assert set(plain) <= set(grid) and grid == sorted(set(grid))
+    assert {8, 9, 16, 17, 24, 25, 32, 33, 40, 41, 48, 49} <= set(grid)
+    assert not {56, 57, 64} & set(grid)  # past the kernel's rows: the geometric grid only
+    assert set(budget_grid(20, dense_until=4, row_group=8)) - set(budget_grid(20, dense_until=4)) == {9, 16, 17}
+    with pytest.raises(ValueError, match="row_group"):
+        budget_grid(20, row_group=0)
+
+
 def test_plot_writes_png(tmp_path):
     path = tmp_path / "sps.png"
     CostTable({1: 0.01, 4: 0.012, 16: 0.03}, key=KEY).plot(path)

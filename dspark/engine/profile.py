@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from dspark.errors import UserError
-from dspark.models.cpu_kernels import has_cpu_kernels
+from dspark.models.cpu_kernels import MAX_ROWS, ROW_GROUP, has_cpu_kernels
 from dspark.schedule import CostKey, CostTable, budget_grid, profile_points, settings_fingerprint
 from dspark.schedule.cost import SplitCost
 from dspark.types import RaggedBatch, SamplingParams
@@ -78,11 +78,13 @@ class ProfileSettings:
             if not ok:
                 raise UserError(f"profile setting {name}={getattr(self, name)!r} is out of range; use {allowed}")
 
-    def budgets(self, block_size: int) -> list[int]:
-        """The budgets B to measure for a drafter of block size G."""
+    def budgets(self, block_size: int, row_group: int | None = None, row_group_until: int | None = None) -> list[int]:
+        """The budgets B to measure for a drafter of block size G (and both sides of each
+        multiple of the matmul kernel's `row_group` up to `row_group_until`, see `budget_grid`)."""
         largest = self.max_requests * (1 + block_size)
         top = largest if self.max_budget is None else min(self.max_budget, largest)
-        return budget_grid(top, dense_until=self.dense_until, ratio=self.ratio)
+        return budget_grid(top, dense_until=self.dense_until, ratio=self.ratio, row_group=row_group,
+                           row_group_until=row_group_until)
 
 
 def split_budget(budget: int, block_size: int, max_requests: int) -> list[int]:
@@ -116,7 +118,7 @@ def hardware_id(device: torch.device | str = "cpu") -> str:
 
 # bumped when a change to the runtime or the drafters changes step times, so that profiles
 # cached by an older dspark are measured again instead of reused
-RUNTIME_REVISION = 4
+RUNTIME_REVISION = 5  # 5: attention in parts by query length; budgets on both sides of row-group edges
 
 
 def profile_key(
@@ -327,7 +329,8 @@ def profile_engine(
     key = profile_key(model_id, name, dtype, device, settings, extra)
     forward_key = profile_key(model_id, f"{name}|forward", dtype, device, settings, extra)
     draft_key = profile_key(model_id, f"{name}|draft", dtype, device, settings, extra)
-    budgets = settings.budgets(drafter.block_size)
+    kernel = has_cpu_kernels(target)  # its row groups make step time jump at multiples of ROW_GROUP
+    budgets = settings.budgets(drafter.block_size, row_group=ROW_GROUP if kernel else None, row_group_until=MAX_ROWS)
     counts = budget_grid(settings.max_requests, dense_until=settings.dense_until, ratio=settings.ratio)
     bench: StepBench | None = None
 

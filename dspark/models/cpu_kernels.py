@@ -72,6 +72,7 @@ from dspark.models.layers import linear
 
 MAX_ROWS = 48  # row counts up to this go through the kernel; from about 64 rows F.linear is as fast (docs/BENCHMARKS.md)
 PANEL = 8  # outputs per packed panel (one AVX2 register of float32)
+ROW_GROUP = 8  # rows multiplied together (csrc ROW_GROUP): a 9th row costs a second pass over W
 SOURCE = Path(__file__).parent / "csrc" / "rowgemm.c"
 # -O2, not -O3: gcc 12 at -O3 spills the accumulators to the stack on every iteration
 CFLAGS = ("-O2", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC")

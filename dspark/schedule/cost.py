@@ -55,18 +55,31 @@ def settings_fingerprint(settings: Mapping[str, object]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def budget_grid(max_budget: int, dense_until: int = 16, ratio: float = 1.25) -> list[int]:
+def budget_grid(max_budget: int, dense_until: int = 16, ratio: float = 1.25, row_group: int | None = None,
+                row_group_until: int | None = None) -> list[int]:
     """Budgets worth measuring up to `max_budget`: every B up to `dense_until`
-    (small budgets are where step time is most jagged), then a geometric grid."""
+    (small budgets are where step time is most jagged), then a geometric grid.
+
+    `row_group`: the matmul kernel multiplies rows in groups of this many, so step time jumps
+    where B passes a multiple of it (dspark's CPU kernel: 8; a 17th row costs a whole new
+    group). Both sides of every such boundary are measured too, k * row_group and
+    k * row_group + 1, so interpolation does not smear the jump over the geometric grid's gap
+    and the scheduler sees that verifying one token past a boundary costs as much as eight.
+    `row_group_until`: the largest row count the kernel serves (None: any)."""
     if max_budget < 1:
         raise ValueError(f"max_budget must be >= 1, got {max_budget}")
     if ratio <= 1.0:
         raise ValueError(f"ratio must be > 1, got {ratio}")
+    if row_group is not None and row_group < 1:
+        raise ValueError(f"row_group must be >= 1, got {row_group}")
     grid = list(range(1, min(dense_until, max_budget) + 1))
     b = float(grid[-1])
     while grid[-1] < max_budget:
         b *= ratio
         grid.append(min(max_budget, max(grid[-1] + 1, round(b))))
+    if row_group:
+        edges = range(row_group, min(max_budget, row_group_until or max_budget) + 1, row_group)
+        grid = sorted(set(grid) | {e for e in edges} | {e + 1 for e in edges if e + 1 <= max_budget})
     return grid
 
 
