@@ -108,3 +108,32 @@ def test_bad_results_folder(tmp_path):
     (tmp_path / "junk.json").write_text("{}")
     with pytest.raises(UserError, match="not a dspark eval result"):
         run_report(tmp_path, tmp_path / "R.md", tmp_path / "f")
+
+
+def _calibration_rows(text: str, drafter: str) -> dict[int, list[float]]:
+    """k -> [rounds, predicted, observed, ECE %] from the report's calibration table."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 6 and cells[0] == drafter and cells[1].isdigit():
+            rows[int(cells[1])] = [float(c) for c in cells[2:]]
+    return rows
+
+
+def test_calibration_table_scores_the_recorded_confidences(tmp_path):
+    """Rounds whose acceptance follows their confidences give predicted ~ observed; the same
+    rounds with confidences reported 0.3 higher give a large ECE at every position."""
+    honest = _drafter("honest", "ngram", 4, 6, confident=True)
+    liar = _drafter("liar", "ngram", 4, 6, confident=True)
+    for bench in liar.benches.values():
+        bench.rounds = [RoundRecord(r.verify_len, r.num_accepted, [min(1.0, c + 0.3) for c in r.confidences])
+                        for r in bench.rounds]
+    runs = tmp_path / "runs"
+    _save(runs, [honest, liar], temperature=0.0)
+    text = run_report(runs, tmp_path / "R.md", tmp_path / "f").markdown.read_text()
+    assert "## Calibration of the confidences on the benchmarks, temperature 0" in text
+    fair, biased = _calibration_rows(text, "honest (G=4)"), _calibration_rows(text, "liar (G=4)")
+    assert sorted(fair) == sorted(biased) == [1, 2, 3, 4]
+    assert fair[1][0] == 9 * 40  # every round verified position 1
+    assert abs(fair[1][1] - fair[1][2]) < 0.05 and fair[1][3] < 8.0
+    assert all(biased[k][1] > biased[k][2] + 0.1 and biased[k][3] > 10.0 for k in (1, 2))

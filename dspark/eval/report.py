@@ -230,6 +230,35 @@ def _fig6(entries: list[Entry], fig_dir: Path, report_cmd: str, report: Report) 
     return "\n\n".join(parts)
 
 
+def _calibration(entries: list[Entry], temperature: float) -> str:
+    """Per draft position k: over the rounds that verified k, the mean predicted prefix survival
+    a_k against the share whose tokens 1..k were all accepted, and the ECE (10 bins), for every
+    drafter with confidences (the DSpark head after STS; prompt lookup's running hit rates)."""
+    import torch
+
+    from dspark.train.calibrate import ece
+
+    rows = []
+    for e in _confident(entries):
+        rounds = [x for r in e.drafter.benches.values() for x in r.rounds]
+        temps = e.drafter.calibration_temperatures or [1.0] * e.drafter.block_size
+        for k in range(1, e.drafter.block_size + 1):
+            sample = reliability_samples(rounds, temps, k)
+            if not sample.observed:
+                continue
+            pred, seen = torch.tensor(sample.after), torch.tensor(sample.observed)
+            rows.append([e.name, str(k), str(len(sample.observed)), f"{float(pred.mean()):.3f}",
+                         f"{float(seen.mean()):.3f}", f"{100 * ece(pred, seen):.1f}"])
+    if not rows:
+        return ""
+    label = "temperature 1.0" if temperature == PAPER_TEMPERATURE else f"temperature {temperature:g}"
+    head = (f"## Calibration of the confidences on the benchmarks, {label}\n\n"
+            "Over the rounds that verified draft position k (all nine benchmarks): the mean predicted "
+            "probability a_k that tokens 1..k are all accepted (the product of the confidences), the share "
+            "that were, and the expected calibration error (10 bins).\n\n")
+    return head + render(["drafter", "k", "rounds", "predicted a_k", "observed", "ECE %"], rows, markdown=True)
+
+
 def run_report(
     results_dir: str | Path = DEFAULT_RESULTS, out_md: str | Path = "docs/RESULTS.md", fig_dir: str | Path = "docs/figures"
 ) -> Report:
@@ -255,6 +284,10 @@ def run_report(
         sections.append(_speed_section(runs))
     for build in (_fig2, _fig4, _fig5, _fig6):
         sections.append(build(main, fig_dir, report_cmd, report))
+    for entries, temperature in ((main, PAPER_TEMPERATURE), (greedy, 0.0)):
+        table = _calibration(entries, temperature)
+        if table:
+            sections.append(table)
     link = Path(os.path.relpath(fig_dir, out_md.parent or Path("."))).as_posix()
     out_md.parent.mkdir(parents=True, exist_ok=True)
     out_md.write_text("\n\n".join(sections).replace("{FIG}", link) + "\n")
