@@ -55,18 +55,26 @@ def _prompts(vocab: int, batch: int, context: int) -> torch.Tensor:
     return torch.randint(3, vocab, (batch, context), generator=gen)  # [batch, context]
 
 
-def lean_steps(target: LoadedTarget, batch: int, new_tokens: list[int], context: int) -> dict[int, Callable[[], None]]:
-    """Per q, a callable running one ragged forward of `batch` requests x q new tokens at
-    `context` and rolling the cache back. One request is prefilled; the others get a copy of
-    its cache (the content does not change the cost)."""
+def prefilled_cache(target: LoadedTarget, batch: int, context: int, room: int):
+    """A KV cache of `batch` slots each holding the same `context` pseudo-random tokens (one
+    prefilled, copied to the others), with `room` more positions -> (cache, slots)."""
     model = target.model
-    cache = model.new_cache(batch, context + max(new_tokens))
+    cache = model.new_cache(batch, context + room)
     slots = [cache.allocate() for _ in range(batch)]
     prompt = _prompts(target.config.vocab_size, 1, context)[0]
     with torch.inference_mode():
         model(RaggedBatch(prompt, slots[:1], [context]), cache, logits_rows=torch.tensor([context - 1]))
     for slot in slots[1:]:
         cache.copy_slot(slots[0], slot)
+    return cache, slots
+
+
+def lean_steps(target: LoadedTarget, batch: int, new_tokens: list[int], context: int) -> dict[int, Callable[[], None]]:
+    """Per q, a callable running one ragged forward of `batch` requests x q new tokens at
+    `context` and rolling the cache back. One request is prefilled; the others get a copy of
+    its cache (the content does not change the cost)."""
+    model = target.model
+    cache, slots = prefilled_cache(target, batch, context, max(new_tokens))
     steps = {}
     for q in new_tokens:
         tokens = _prompts(target.config.vocab_size, batch, q).reshape(-1)

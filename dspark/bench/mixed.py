@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from dspark.bench.decode import _prompts, paired_ms
+from dspark.bench.decode import _prompts, paired_ms, prefilled_cache
 from dspark.types import RaggedBatch
 
 # (label, query lengths): 16 requests; 1 = a decode step, 2..8 = verifying 1..7 draft tokens
@@ -48,14 +48,7 @@ def one_padded_call():
 def mixed_steps(loaded, context: int = 256) -> dict[str, object]:
     """Per layout, a callable running one forward of it and rolling the cache back."""
     model = loaded.model
-    longest = max(max(q) for _, q in LAYOUTS)
-    cache = model.new_cache(16, context + longest)
-    slots = [cache.allocate() for _ in range(16)]
-    prompt = _prompts(loaded.config.vocab_size, 1, context)[0]
-    with torch.inference_mode():
-        model(RaggedBatch(prompt, slots[:1], [context]), cache, logits_rows=torch.tensor([context - 1]))
-    for slot in slots[1:]:
-        cache.copy_slot(slots[0], slot)
+    cache, slots = prefilled_cache(loaded, 16, context, max(max(q) for _, q in LAYOUTS))
     steps = {}
     for label, qlens in LAYOUTS:
         tokens = _prompts(loaded.config.vocab_size, 1, sum(qlens))[0]

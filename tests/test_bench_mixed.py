@@ -1,0 +1,46 @@
+"""The mixed-batch benchmark (`python -m dspark.bench.mixed`) on a tiny random target: it
+times every layout both ways, and the two ways compute the same logits."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from dspark.bench import mixed
+from dspark.models.tiny import tiny_hf_folder
+
+
+def test_every_layout_is_timed_both_ways(tmp_path, capsys):
+    folder = tiny_hf_folder(tmp_path, seed=2, vocab_size=96)
+    rows = mixed.run_mixed_bench(repeats=1, warmup=0, context=16, target=str(folder))
+    assert [r["layout"] for r in rows] == [label for label, _ in mixed.LAYOUTS]
+    assert all(r["parts_ms"] > 0 and r["padded_ms"] > 0 for r in rows)
+    text = mixed.format_rows(rows, 1, 16)
+    assert "| 15 decoding, 1 prefilling 64 | 79 |" in text and "parts / padded" in text
+
+
+def test_one_padded_call_computes_what_the_parts_compute(tmp_path):
+    from dspark.models import llama, load_target
+    from dspark.types import RaggedBatch
+
+    loaded = load_target(str(tiny_hf_folder(tmp_path, seed=3, vocab_size=96)))
+    qlens = dict(mixed.LAYOUTS)["15 decoding, 1 verifying 7"]
+    cache, slots = mixed.prefilled_cache(loaded, 16, 16, max(qlens))
+    tokens = torch.randint(0, 96, (sum(qlens),), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for padded in (False, True):
+        with torch.inference_mode(), (mixed.one_padded_call() if padded else contextlib.nullcontext()):
+            outs.append(loaded.model(RaggedBatch(tokens, slots, qlens), cache).logits)
+        for slot in slots:
+            cache.truncate(slot, 16)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+    assert llama.query_parts([1, 8]) == [[0], [1]]  # the grouping is back after the context
+
+
+@pytest.mark.parametrize("argv,message", [(["--repeats", "0"], "--repeats takes a whole number >= 1"),
+                                          (["--fast"], "unknown option --fast")])
+def test_bad_options_stop_before_running(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        mixed.main(argv)
