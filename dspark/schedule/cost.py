@@ -79,7 +79,7 @@ def budget_grid(max_budget: int, dense_until: int = 16, ratio: float = 1.25, row
         grid.append(min(max_budget, max(grid[-1] + 1, round(b))))
     if row_group:
         edges = range(row_group, min(max_budget, row_group_until or max_budget) + 1, row_group)
-        grid = sorted(set(grid) | {e for e in edges} | {e + 1 for e in edges if e + 1 <= max_budget})
+        grid = sorted(set(grid) | set(edges) | {e + 1 for e in edges if e + 1 <= max_budget})
     return grid
 
 
