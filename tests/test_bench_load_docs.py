@@ -7,6 +7,8 @@ import pytest
 
 from dspark.bench import load_docs
 
+DOCS_RUN = load_docs.docs_run
+
 
 @pytest.fixture
 def calls(monkeypatch):
@@ -28,7 +30,22 @@ def test_arms_replace_the_default_ones(calls):
     assert args == () and [a.name for a in kw["arms"]] == ["plain", "ng"] and kw["arms"][1].policy == "dspark"
 
 
+def test_temperature_reaches_the_run_and_seeds_every_request(calls, monkeypatch):
+    load_docs.main(["--arm", "a=none:none", "--temperature", "1"])
+    assert calls[-1][1]["temperature"] == 1.0
+    import torch
+
+    captured = {}
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(load_docs, "run_load_bench", lambda arms, settings, **kw: captured.update(settings=settings))
+    monkeypatch.setattr(load_docs, "docs_run", DOCS_RUN)
+    load_docs.docs_run(temperature=0.8, out_dir="unused")
+    assert captured["settings"].sampling.temperature == 0.8 and captured["settings"].sampling.seed == 0
+    assert load_docs.DOCS_SETTINGS.sampling.temperature == 0.0  # greedy stays the default
+
+
 @pytest.mark.parametrize("argv,message", [(["--repeats", "0"], "--repeats takes a whole number >= 1"),
+                                          (["--temperature", "hot"], "--temperature takes a number in \\[0, 2\\]"),
                                           (["--arm", "ng=ngram:fast"], "bad arm 'ng=ngram:fast'"),
                                           (["runs/d", "--arm", "a=none:none"], "drafter folders or --arm, not both"),
                                           (["--repeats", "two"], "--repeats takes a whole number >= 1"),

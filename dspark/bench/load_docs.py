@@ -2,6 +2,7 @@
 
     .venv/bin/python -m dspark.bench.load_docs [DSPARK_DRAFTER_DIR [MTP_DRAFTER_DIR]] [--only ARMS] [--name STEM] [--repeats N]
     .venv/bin/python -m dspark.bench.load_docs --arm NAME=DRAFTER:POLICY[:OPTION] [--arm ...] [--name STEM] [--repeats N]
+        [--temperature T]
 
 In process, on the embedded SmolLM2-135M target (float32, CPU). Without
 drafter folders it measures no speculation against the model-free n-gram
@@ -9,7 +10,8 @@ drafter verifying its whole block (the stand-in speculative arm) and lists
 the paper's learned-drafter arms as pending; with trained folders it runs the
 paper's six arms. `--arm` (repeatable, the syntax of `dspark bench serve
 --arm`) runs the given arms instead, e.g. prompt lookup under each policy;
-their goal roles come from their policies (`roles_for`).
+their goal roles come from their policies (`roles_for`). `--temperature T`
+samples instead of decoding greedily, request i with seed i in every arm.
 """
 
 from __future__ import annotations
@@ -34,10 +36,10 @@ NGRAM = Arm("ngram-k7", "ngram", "fixed", k=7, block_size=7)
 def docs_run(dspark_drafter: str | None = None, mtp_drafter: str | None = None,
              out_dir: str | Path = "docs/figures", name: str = "load_cpu",
              only: list[str] | None = None, repeats: int | None = None,
-             arms: list[Arm] | None = None) -> LoadReport:
+             arms: list[Arm] | None = None, temperature: float | None = None) -> LoadReport:
     """The docs' load run; `only` keeps the named arms (a rerun of some arms after a change);
     `repeats` replaces the default 3 sweeps (more repeats, a tighter noise estimate); `arms`
-    replaces the arms the drafter folders give."""
+    replaces the arms the drafter folders give; `temperature` > 0 samples (seeded per request)."""
     import dataclasses
 
     import torch
@@ -56,13 +58,16 @@ def docs_run(dspark_drafter: str | None = None, mtp_drafter: str | None = None,
         arms = [a for a in arms if a.name in only]
     command = " ".join([".venv/bin/python -m dspark.bench.load_docs", *map(shlex.quote, sys.argv[1:])])
     settings = DOCS_SETTINGS if repeats is None else dataclasses.replace(DOCS_SETTINGS, repeats=repeats)
+    if temperature:
+        settings = dataclasses.replace(settings, sampling=dataclasses.replace(
+            settings.sampling, temperature=temperature, seed=0))
     return run_load_bench(arms, settings, out_dir=out_dir, name=name, command=command)
 
 
 def main(argv: list[str]) -> None:
-    """DSPARK_DIR [MTP_DIR] [--only ARM,ARM] [--name STEM] [--repeats N] [--arm NAME=DRAFTER:POLICY[:OPTION] ...]
+    """DSPARK_DIR [MTP_DIR] [--only ARM,ARM] [--name STEM] [--repeats N] [--arm NAME=DRAFTER:POLICY[:OPTION] ...] [--temperature T]
     (no argparse outside cli.py)."""
-    positional, options, arm_specs = [], {"--only": "", "--name": "load_cpu", "--repeats": ""}, []
+    positional, options, arm_specs = [], {"--only": "", "--name": "load_cpu", "--repeats": "", "--temperature": ""}, []
     args = iter(argv)
     for arg in args:
         if arg in ("-h", "--help"):
@@ -73,8 +78,8 @@ def main(argv: list[str]) -> None:
         elif arg == "--arm":
             arm_specs.append(next(args, ""))
         elif arg.startswith("-"):
-            raise SystemExit(f"unknown option {arg}; the options are --only ARM,ARM, --name STEM, --repeats N and "
-                             "--arm NAME=DRAFTER:POLICY[:OPTION]")
+            raise SystemExit(f"unknown option {arg}; the options are --only ARM,ARM, --name STEM, --repeats N, "
+                             "--arm NAME=DRAFTER:POLICY[:OPTION] and --temperature T")
         else:
             positional.append(arg)
     if arm_specs and positional:
@@ -92,6 +97,14 @@ def main(argv: list[str]) -> None:
     except UserError as err:
         raise SystemExit(str(err)) from None
     extra = {"arms": arms} if arms else {}
+    if options["--temperature"]:
+        try:
+            temperature = float(options["--temperature"])
+        except ValueError:
+            temperature = -1.0
+        if not 0.0 <= temperature <= 2.0:
+            raise SystemExit(f"--temperature takes a number in [0, 2], got {options['--temperature']!r}")
+        extra["temperature"] = temperature
     docs_run(*positional[:2], name=options["--name"] or "load_cpu", only=only, repeats=repeats, **extra)
 
 
