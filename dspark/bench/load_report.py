@@ -29,6 +29,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dspark.bench.clients import DRAFTED_KINDS
+
 
 def environment() -> dict:
     """Machine conditions, recorded before and after a run."""
@@ -92,7 +94,7 @@ def aggregate(points: list) -> list[dict]:
             "acceptance_length": _mean([p.acceptance_length for p in ps]),
             "completed": sum(p.completed for p in ps), "failed": sum(p.failed for p in ps),
             "cut": sum(p.cut for p in ps),
-            "drafted_steps": {k: sum(p.drafted_steps.get(k, 0) for p in ps) for k in ("all", "some", "none")},
+            "drafted_steps": {k: sum(p.drafted_steps.get(k, 0) for p in ps) for k in DRAFTED_KINDS},
         })
     return rows
 

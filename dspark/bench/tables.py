@@ -3,6 +3,8 @@ into docs/LOAD.md together with the command that produced them)."""
 
 from __future__ import annotations
 
+from dspark.bench.clients import DRAFTED_KINDS
+
 
 def _f(value, fmt: str = ".1f") -> str:
     return "-" if value is None else format(value, fmt)
@@ -17,7 +19,7 @@ def _drafted(steps: dict | None) -> str:
     total = sum((steps or {}).values())
     if not total:
         return "-"
-    return " / ".join(f"{100 * steps[k] / total:.0f} %" for k in ("all", "some", "none"))
+    return " / ".join(f"{100 * steps[k] / total:.0f} %" for k in DRAFTED_KINDS)
 
 
 def summary_table(summary: list[dict]) -> str:
