@@ -163,3 +163,46 @@ def test_two_process_data_parallel_matches_single(tmp_path):
     logs = [[json.loads(x)["loss"] for x in (d / "log.jsonl").read_text().splitlines()]
             for d in (tmp_path / "run-dspark", tmp_path / "ddp")]
     assert [round(x, 4) for x in logs[0]] == [round(x, 4) for x in logs[1]]
+
+
+def test_snapshots_feed_the_budget_report(tmp_path):
+    from dspark.train.budget import main as budget_main, write_budget_report
+    from dspark.train.checkpoint import list_snapshots
+
+    recipes = []
+    for kind in ("dspark", "dflash"):
+        recipe = _recipe(tmp_path, kind, steps=4)
+        cfg = json.loads(recipe.read_text())
+        cfg["log"]["snapshot_every"] = 2
+        recipe.write_text(json.dumps(cfg))
+        run_train(recipe)
+        out_dir = Path(cfg["run"]["out_dir"])
+        assert [s for s, _ in list_snapshots(out_dir)] == [2, 4]
+        (out_dir / "snapshots" / "step-0000006.tmp").mkdir()  # a snapshot cut short is not listed
+        assert [s for s, _ in list_snapshots(out_dir)] == [2, 4]
+        recipes.append((kind, str(recipe)))
+
+    calls = []
+
+    def evaluate(recipe, folder):
+        calls.append(folder)
+        return evaluate_drafter(recipe, folder)
+
+    page = write_budget_report(recipes, tmp_path / "docs" / "BUDGET.md", "cmd", evaluate)
+    assert len(calls) == 4  # two snapshots per run; the final drafter is the step-4 snapshot's step
+    text = page.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| 2 ") or line.startswith("| 4 ")]
+    assert len(rows) == 2 and all(line.rstrip(" |").endswith("x") for line in rows)
+    assert (tmp_path / "docs" / "figures" / "budget.png").stat().st_size > 5000
+    step4 = json.loads((tmp_path / "run-dspark" / "budget" / "step-0000004.json").read_text())
+    direct = evaluate_drafter(recipes[0][1], tmp_path / "run-dspark" / "snapshots" / "step-0000004")
+    assert step4["expected_accept_len"] == pytest.approx(direct["expected_accept_len"])
+
+    def refuse(recipe, folder):
+        raise AssertionError("cached results must be reused")
+
+    write_budget_report(recipes, tmp_path / "docs" / "BUDGET.md", "cmd", refuse)
+    with pytest.raises(SystemExit):
+        budget_main(["--run", "no-equals-sign"])
+    fresh = _recipe(tmp_path / "fresh", "dflash", steps=2)  # never trained: nothing to evaluate
+    assert budget_main(["--run", f"x={fresh}", "--out", str(tmp_path / "x.md")]) == 2

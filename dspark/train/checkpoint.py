@@ -7,7 +7,11 @@ A checkpoint folder `<out_dir>/checkpoints/step-NNNNNNN/` holds
     optimizer.safetensors           AdamW moment tensors ("state.<param index>.<name>")
     rng-rank<R>.safetensors         torch RNG state of each data-parallel rank
 
-and `<out_dir>/checkpoints/latest` names the newest complete checkpoint; it is
+With `[log] snapshot_every = N`, `<out_dir>/snapshots/step-NNNNNNN/` also
+keeps the drafter alone (no optimizer) of every N-th step for good: the
+drafters a budget curve evaluates (`python -m dspark.train.budget`).
+
+`<out_dir>/checkpoints/latest` names the newest complete checkpoint; it is
 written last (atomically), so a run killed mid-save resumes from the previous
 one. No pickle anywhere: tensors go to safetensors, the rest to JSON.
 """
@@ -34,6 +38,21 @@ def checkpoint_root(out_dir: Path) -> Path:
 
 def checkpoint_dir(out_dir: Path, step: int) -> Path:
     return checkpoint_root(out_dir) / f"step-{step:07d}"
+
+
+def snapshot_dir(out_dir: Path, step: int) -> Path:
+    return Path(out_dir) / "snapshots" / f"step-{step:07d}"
+
+
+def list_snapshots(out_dir: Path) -> list[tuple[int, Path]]:
+    """(step, drafter folder) of every complete snapshot of a run, by step."""
+    root = Path(out_dir) / "snapshots"
+    found = []
+    for folder in root.glob("step-*") if root.is_dir() else ():
+        suffix = folder.name[len("step-"):]
+        if suffix.isdigit() and (folder / "config.json").is_file():
+            found.append((int(suffix), folder))
+    return sorted(found)
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:

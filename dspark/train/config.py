@@ -82,6 +82,7 @@ class LogConfig:
     log_every: int = 10  # write a log.jsonl record every this many steps
     ckpt_every: int = 100  # checkpoint every this many steps (and at the end)
     keep_checkpoints: int = 2  # older checkpoints are deleted
+    snapshot_every: int = 0  # also keep the drafter of every this many steps in snapshots/ (0 = off)
     progress: bool = True  # show a tqdm bar
 
 
@@ -131,6 +132,7 @@ _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("log", "log_every"): (1, None),
     ("log", "ckpt_every"): (1, None),
     ("log", "keep_checkpoints"): (1, 1000),
+    ("log", "snapshot_every"): (0, None),
 }
 
 

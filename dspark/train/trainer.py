@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,6 +226,19 @@ class Trainer:
         self.dist.barrier()
         return folder
 
+    def save_snapshot(self) -> Path:
+        """Keep the drafter of this step in snapshots/ (written aside, then renamed into place)."""
+        final = ckpt.snapshot_dir(self.out_dir, self.step)
+        if self.dist.rank == 0:
+            tmp = final.with_name(final.name + ".tmp")
+            for old in (tmp, final):
+                shutil.rmtree(old, ignore_errors=True)
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            self.io.save(self.drafter, tmp)
+            os.replace(tmp, final)
+        self.dist.barrier()
+        return final
+
     def resume(self) -> bool:
         """Continue from the newest checkpoint, if any."""
         folder = ckpt.latest_checkpoint(self.out_dir)
@@ -282,6 +297,8 @@ class Trainer:
                 bar.set_postfix(loss=record["loss"], tau=record["expected_accept_len"])
             if self.step % self.cfg.log.ckpt_every == 0 or self.step == total:
                 self.save_checkpoint()
+            if self.cfg.log.snapshot_every and self.step % self.cfg.log.snapshot_every == 0:
+                self.save_snapshot()
         bar.close()
         return {"step": self.step, "total_steps": total, "seconds": round(time.perf_counter() - start, 2)}
 

@@ -1,0 +1,170 @@
+"""Held-out acceptance against the training budget, for recipes trained side by side:
+
+    python -m dspark.train.budget --run DSpark=configs/dspark-960-long.toml \
+        --run DFlash=configs/dflash-960-long.toml --out docs/TRAINING_BUDGET_960.md
+
+Answers "does one recipe's edge over another grow with the steps?", which a
+comparison at one budget cannot. Each `--run LABEL=RECIPE` names a recipe
+(a training config); its drafters are the snapshots its run kept in
+`<out_dir>/snapshots/` (`[log] snapshot_every`) and its final
+`<out_dir>/drafter` at the step in `summary.json`. Every drafter is evaluated
+like the end of training (`evaluate_drafter`: the recipe's held-out
+sequences, its losses and anchors, features computed online), and the result
+is cached in `<out_dir>/budget/step-NNNNNNN.json`, so a rerun evaluates only
+new drafters. Writes a markdown page (held-out expected tau and position-1
+acceptance per step, and each run's tau over the first run's at the same
+step) and a PNG of the same next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+from dspark.errors import UserError
+from dspark.train import checkpoint as ckpt
+from dspark.train.config import load_config
+from dspark.train.plots import save_figure
+
+
+def run_drafters(out_dir: Path) -> list[tuple[int, Path]]:
+    """(step, drafter folder) of a run: its snapshots, then its final drafter at a new step."""
+    found = dict(ckpt.list_snapshots(out_dir))
+    summary = out_dir / "summary.json"
+    if (out_dir / "drafter" / "config.json").is_file() and summary.is_file():
+        step = int(json.loads(summary.read_text())["step"])
+        found.setdefault(step, out_dir / "drafter")
+    return sorted(found.items())
+
+
+def _stamp(folder: Path) -> float:
+    return (folder / "model.safetensors").stat().st_mtime if (folder / "model.safetensors").is_file() else 0.0
+
+
+def evaluate_run(recipe: str | Path, evaluate: Callable[[Path, Path], dict] | None = None,
+                 log: Callable[[str], None] = print) -> list[dict]:
+    """One held-out evaluation per drafter of the recipe's run, cached; rows by step."""
+    if evaluate is None:
+        from dspark.train.run import evaluate_drafter as evaluate
+    out_dir = Path(load_config(recipe).run.out_dir)
+    drafters = run_drafters(out_dir)
+    if not drafters:
+        raise UserError(f"{out_dir} holds no snapshots and no finished drafter; train {recipe} with "
+                        "[log] snapshot_every = N first")
+    cache = out_dir / "budget"
+    rows = []
+    for step, folder in drafters:
+        path = cache / f"step-{step:07d}.json"
+        cached = json.loads(path.read_text()) if path.is_file() else None
+        if cached is None or cached.get("stamp") != _stamp(folder) or cached.get("drafter") != str(folder):
+            log(f"budget: evaluating {folder} (step {step}) on the held-out sequences of {recipe}")
+            result = evaluate(Path(recipe), folder)
+            cached = {"step": step, "drafter": str(folder), "stamp": _stamp(folder),
+                      "expected_accept_len": result["expected_accept_len"],
+                      "accept_per_position": result["accept_per_position"],
+                      "loss": result["loss"], "blocks_full": result.get("blocks_full")}
+            cache.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(cached, indent=1) + "\n")
+            os.replace(tmp, path)
+        rows.append(cached)
+    return rows
+
+
+def budget_table(results: dict[str, list[dict]]) -> str:
+    """Markdown: one row per step any run reached; tau, position-1 acceptance, ratio to the first run."""
+    labels = list(results)
+    by_step = {label: {r["step"]: r for r in rows} for label, rows in results.items()}
+    steps = sorted({s for rows in by_step.values() for s in rows})
+    head = ["step"] + [f"{label} tau (acc@1)" for label in labels]
+    head += [f"{label} / {labels[0]}" for label in labels[1:]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for step in steps:
+        cells = [str(step)]
+        for label in labels:
+            r = by_step[label].get(step)
+            cells.append("-" if r is None else f"{r['expected_accept_len']:.3f} ({r['accept_per_position'][0]:.3f})")
+        base = by_step[labels[0]].get(step)
+        for label in labels[1:]:
+            r = by_step[label].get(step)
+            ok = r is not None and base is not None
+            cells.append(f"{r['expected_accept_len'] / base['expected_accept_len']:.3f}x" if ok else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_budget(results: dict[str, list[dict]], out_png: str | Path) -> Path:
+    """Held-out expected tau and acceptance by position group against the step, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_tau, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for label, rows in results.items():
+        steps = [r["step"] for r in rows]
+        line = ax_tau.plot(steps, [r["expected_accept_len"] for r in rows], marker="o", label=label)[0]
+        ax_acc.plot(steps, [r["accept_per_position"][0] for r in rows], marker="o", color=line.get_color(),
+                    label=f"{label}, position 1")
+        later = [r["accept_per_position"][1:] for r in rows]
+        if all(later):
+            ax_acc.plot(steps, [sum(v) / len(v) for v in later], marker="s", linestyle="--", color=line.get_color(),
+                        label=f"{label}, mean of positions 2+")
+    ax_tau.set(xlabel="training step", ylabel="expected tau", title="held-out expected acceptance length")
+    ax_acc.set(xlabel="training step", ylabel="acceptance (1 - TV)", title="held-out acceptance")
+    for ax in (ax_tau, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return save_figure(fig, out_png)
+
+
+def write_budget_report(runs: list[tuple[str, str]], out_md: str | Path, command: str,
+                        evaluate: Callable[[Path, Path], dict] | None = None) -> Path:
+    """Evaluate every run's drafters (cached) and write the page and its figure."""
+    results = {label: evaluate_run(recipe, evaluate) for label, recipe in runs}
+    out = Path(out_md)
+    png = plot_budget(results, out.parent / "figures" / f"{out.stem.lower()}.png")
+    rel = Path(os.path.relpath(png, out.parent)).as_posix()
+    recipes = "\n".join(f"- {label}: `{recipe}`" for label, recipe in runs)
+    out.write_text(
+        "# Held-out acceptance against the training budget\n\n"
+        f"Generated by `{command}`; do not edit by hand.\n\n"
+        f"{recipes}\n\n"
+        "Each drafter (a run's snapshots and its final drafter) is evaluated on its recipe's held-out "
+        "sequences like the end of training. tau is the expected acceptance length 1 + sum over positions "
+        "of the cumulative product of c* = 1 - TV(p_draft, p_target); acc@1 is c* at position 1.\n\n"
+        + budget_table(results)
+        + f"\n\n![held-out acceptance against the budget]({rel})\n"
+    )
+    return out
+
+
+def _run_arg(text: str) -> tuple[str, str]:
+    label, sep, recipe = text.partition("=")
+    if not sep or not label or not recipe:
+        raise argparse.ArgumentTypeError(f"--run takes LABEL=RECIPE (e.g. DSpark=configs/dspark-960-long.toml), got {text!r}")
+    return label, recipe
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dspark.train.budget", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", type=_run_arg, action="append", required=True, metavar="LABEL=RECIPE",
+                        help="a recipe whose run kept snapshots; the first is the reference of the ratios")
+    parser.add_argument("--out", default="docs/TRAINING_BUDGET.md", help="markdown page (its PNG goes to figures/ beside it)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    command = " ".join(["python -m dspark.train.budget", *(f"--run {label}={recipe}" for label, recipe in args.run),
+                        "--out", args.out])
+    try:
+        print(write_budget_report(args.run, args.out, command))
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
