@@ -96,6 +96,10 @@ def test_greedy_outputs_and_stats_are_consistent_across_drafters():
         assert s.committed_tokens == s.accepted_tokens + s.rounds
         assert ngram.benches[name].tau >= 1.0
     assert none.benches["gsm8k"].rounds == []  # no confidences: no round records
+    for bench in (*none.benches.values(), *ngram.benches.values()):  # per-prompt counts add up to the stats
+        assert [pid for pid, _, _ in bench.per_prompt] == [p.id for p in _suites()[bench.benchmark]]
+        assert sum(n for _, n, _ in bench.per_prompt) == bench.stats.rounds
+        assert sum(c for _, _, c in bench.per_prompt) == bench.stats.committed_tokens
     # the ngram drafter's confidences are its running hit rates: one record per drafted round
     records = ngram.benches["gsm8k"].rounds
     assert records and all(0.0 < c < 1.0 for r in records for c in r.confidences)

@@ -131,6 +131,8 @@ class _Lane:
             bench.generated_tokens += result.num_generated
             bench.seconds += result.seconds
             bench.generations += 1
+        bench.per_prompt.append((prompt.id, sum(r.stats.rounds for r in results),
+                                 sum(r.stats.committed_tokens for r in results)))
         return len(results)
 
     def finish(self, bench: BenchResult) -> None:

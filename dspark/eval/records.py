@@ -62,6 +62,9 @@ class BenchResult:
     stats: SpecStats
     rounds: list[RoundRecord] = field(default_factory=list)  # only for drafters with confidences
     skipped: list[str] = field(default_factory=list)  # prompt ids too long for the target's context
+    # (prompt id, rounds, committed tokens) of each conversation, for bootstrap intervals
+    # (dspark.eval.noise); empty in runs saved before session 8
+    per_prompt: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -245,6 +248,7 @@ def _drafter_dict(d: DrafterRun) -> dict:
             "generated_tokens": r.generated_tokens, "seconds": r.seconds, "stats": _stats_dict(r.stats),
             "rounds": [[x.verify_len, x.num_accepted, [round(c, 5) for c in x.confidences]] for x in r.rounds],
             "skipped": r.skipped,
+            "per_prompt": [[pid, rounds, committed] for pid, rounds, committed in r.per_prompt],
         }
     return {"label": d.label, "spec": d.spec, "kind": d.kind, "block_size": d.block_size,
             "has_confidence": d.has_confidence, "calibration_temperatures": d.calibration_temperatures,
@@ -258,6 +262,7 @@ def _drafter_from(d: dict) -> DrafterRun:
             benchmark=name, domain=b["domain"], prompts=b["prompts"], generations=b["generations"],
             generated_tokens=b["generated_tokens"], seconds=b["seconds"], stats=_stats_from(b["stats"]),
             rounds=[RoundRecord(v, a, list(c)) for v, a, c in b["rounds"]], skipped=list(b.get("skipped", [])),
+            per_prompt=[(str(pid), int(n), int(c)) for pid, n, c in b.get("per_prompt", [])],
         )
     return DrafterRun(label=d["label"], spec=d["spec"], kind=d["kind"], block_size=d["block_size"],
                       has_confidence=d["has_confidence"], calibration_temperatures=d["calibration_temperatures"],

@@ -259,6 +259,39 @@ def _calibration(entries: list[Entry], temperature: float) -> str:
     return head + render(["drafter", "k", "rounds", "predicted a_k", "observed", "ECE %"], rows, markdown=True)
 
 
+def _noise(entries: list[Entry], temperature: float) -> str:
+    """Bootstrap intervals of each drafter's macro tau and of the ratio of every pair that answered
+    the same prompts with the same seeds (dspark.eval.noise); drafters from runs saved without
+    per-prompt counts are left out."""
+    from dspark.eval.noise import macro_interval, paired_ratio_interval
+
+    with_counts = [(e, macro_interval(e.drafter)) for e in entries]
+    with_counts = [(e, iv) for e, iv in with_counts if iv is not None]
+    if not with_counts:
+        return ""
+    label = "temperature 1.0" if temperature == PAPER_TEMPERATURE else f"temperature {temperature:g}"
+    rows = [[e.name, f"[{e.number}]", f"{iv.point:.3f}", f"{iv.low:.3f} - {iv.high:.3f}"] for e, iv in with_counts]
+    text = (f"## How noisy are these numbers, {label}\n\n"
+            "95 % bootstrap intervals: prompts resampled within each benchmark (2000 resamples), each "
+            "benchmark's tau recomputed as committed tokens over rounds, then the macro average. Runs saved "
+            "before per-prompt counts were recorded are not listed.\n\n"
+            + render(["drafter", "run", "macro tau", "95 % interval"], rows, markdown=True))
+    pairs = []
+    for i, (a, _) in enumerate(with_counts):
+        for b, _ in with_counts[i + 1:]:
+            if a.run.settings != b.run.settings:
+                continue
+            iv = paired_ratio_interval(b.drafter, a.drafter)
+            if iv is not None:
+                pairs.append([f"{b.name} / {a.name}", f"[{b.number}] / [{a.number}]", f"{iv.point:.3f}x",
+                              f"{iv.low:.3f}x - {iv.high:.3f}x"])
+    if pairs:
+        text += ("\n\nRatios of macro tau between drafters that answered the same prompts with the same seeds, "
+                 "the same prompts drawn for both in each resample:\n\n"
+                 + render(["ratio", "runs", "macro tau ratio", "95 % interval"], pairs, markdown=True))
+    return text
+
+
 def run_report(
     results_dir: str | Path = DEFAULT_RESULTS, out_md: str | Path = "docs/RESULTS.md", fig_dir: str | Path = "docs/figures"
 ) -> Report:
@@ -285,9 +318,9 @@ def run_report(
     for build in (_fig2, _fig4, _fig5, _fig6):
         sections.append(build(main, fig_dir, report_cmd, report))
     for entries, temperature in ((main, PAPER_TEMPERATURE), (greedy, 0.0)):
-        table = _calibration(entries, temperature)
-        if table:
-            sections.append(table)
+        for table in (_calibration(entries, temperature), _noise(entries, temperature)):
+            if table:
+                sections.append(table)
     link = Path(os.path.relpath(fig_dir, out_md.parent or Path("."))).as_posix()
     out_md.parent.mkdir(parents=True, exist_ok=True)
     out_md.write_text("\n\n".join(sections).replace("{FIG}", link) + "\n")
