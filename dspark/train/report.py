@@ -55,7 +55,7 @@ def _positions(values) -> str:
 
 
 def run_rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
-    head = ["run", "kind", "G", "steps", "seconds", "s/step", "train acc@1", "train tau (exp.)",
+    head = ["run", "kind", "G", "steps", "seconds (last call)", "s/step", "train acc@1", "train tau (exp.)",
             "held-out loss", "held-out tau (exp.)", "held-out acceptance by position"]
     rows = []
     for run in runs:
@@ -64,10 +64,11 @@ def run_rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
         last = log[-1] if log else {}
         step = last.get("step", 0)
         seconds = summary["seconds"] if summary else None
+        ran = summary["step"] - summary.get("start_step", 0) if summary else step  # a resumed run times its last part
         held = (summary or {}).get("heldout") or {}
         rows.append([
             run["name"], cfg["drafter"]["kind"], str(cfg["drafter"]["block_size"]),
-            f"{step}/{total}", _fmt(seconds, 0), _fmt(seconds / step if seconds and step else None, 2),
+            f"{step}/{total}", _fmt(seconds, 0), _fmt(seconds / ran if seconds and ran else None, 2),
             _fmt(last.get("accept_per_position", [None])[0]), _fmt(last.get("expected_accept_len")),
             _fmt(held.get("loss")), _fmt(held.get("expected_accept_len")),
             _positions(held.get("accept_per_position")),

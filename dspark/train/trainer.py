@@ -282,6 +282,7 @@ class Trainer:
         if resume and self.resume() and self.dist.rank == 0:
             print(f"dspark train: resumed at step {self.step} from {self.out_dir}")
         total = self.cfg.optim.total_steps
+        first = self.step
         end = total if stop_at_step is None else min(stop_at_step, total)
         show = self.cfg.log.progress and self.dist.rank == 0
         bar = tqdm(total=total, initial=self.step, desc=f"train {self.drafter.name}", disable=not show)
@@ -300,7 +301,9 @@ class Trainer:
             if self.cfg.log.snapshot_every and self.step % self.cfg.log.snapshot_every == 0:
                 self.save_snapshot()
         bar.close()
-        return {"step": self.step, "total_steps": total, "seconds": round(time.perf_counter() - start, 2)}
+        # seconds cover the steps this call ran: from start_step (a resumed run's checkpoint) to step
+        return {"step": self.step, "start_step": first, "total_steps": total,
+                "seconds": round(time.perf_counter() - start, 2)}
 
     @torch.no_grad()
     def evaluate(self, indices: list[int]) -> dict:
