@@ -202,7 +202,7 @@ def test_snapshots_feed_the_budget_report(tmp_path):
         raise AssertionError("cached results must be reused")
 
     write_budget_report(recipes, tmp_path / "docs" / "BUDGET.md", "cmd", refuse)
-    with pytest.raises(SystemExit):
-        budget_main(["--run", "no-equals-sign"])
+    assert budget_main(["--run", "no-equals-sign"]) == 2
+    assert budget_main(["--out", "x.md"]) == 2 and budget_main(["--bogus"]) == 2
     fresh = _recipe(tmp_path / "fresh", "dflash", steps=2)  # never trained: nothing to evaluate
     assert budget_main(["--run", f"x={fresh}", "--out", str(tmp_path / "x.md")]) == 2

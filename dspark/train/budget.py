@@ -18,7 +18,6 @@ step) and a PNG of the same next to it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -143,23 +142,41 @@ def write_budget_report(runs: list[tuple[str, str]], out_md: str | Path, command
     return out
 
 
-def _run_arg(text: str) -> tuple[str, str]:
-    label, sep, recipe = text.partition("=")
-    if not sep or not label or not recipe:
-        raise argparse.ArgumentTypeError(f"--run takes LABEL=RECIPE (e.g. DSpark=configs/dspark-960-long.toml), got {text!r}")
-    return label, recipe
+USAGE = "usage: python -m dspark.train.budget --run LABEL=RECIPE [--run LABEL=RECIPE ...] [--out PAGE.md]"
+
+
+def parse_args(argv: list[str]) -> tuple[list[tuple[str, str]], str]:
+    """([(label, recipe)], markdown path) from the command line; the first run is the ratios' reference."""
+    runs, out = [], "docs/TRAINING_BUDGET.md"
+    args = iter(argv)
+    for arg in args:
+        if arg not in ("--run", "--out"):
+            raise ValueError(f"unknown argument {arg}; {USAGE}")
+        value = next(args, None)
+        if value is None:
+            raise ValueError(f"{arg} needs a value; {USAGE}")
+        if arg == "--out":
+            out = value
+            continue
+        label, sep, recipe = value.partition("=")
+        if not sep or not label or not recipe:
+            raise ValueError(f"--run takes LABEL=RECIPE (e.g. DSpark=configs/dspark-960-long.toml), got {value!r}")
+        runs.append((label, recipe))
+    if not runs:
+        raise ValueError(f"no --run given; {USAGE}")
+    return runs, out
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dspark.train.budget", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run", type=_run_arg, action="append", required=True, metavar="LABEL=RECIPE",
-                        help="a recipe whose run kept snapshots; the first is the reference of the ratios")
-    parser.add_argument("--out", default="docs/TRAINING_BUDGET.md", help="markdown page (its PNG goes to figures/ beside it)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    command = " ".join(["python -m dspark.train.budget", *(f"--run {label}={recipe}" for label, recipe in args.run),
-                        "--out", args.out])
     try:
-        print(write_budget_report(args.run, args.out, command))
+        runs, out = parse_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2
+    command = " ".join(["python -m dspark.train.budget", *(f"--run {label}={recipe}" for label, recipe in runs),
+                        "--out", out])
+    try:
+        print(write_budget_report(runs, out, command))
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
