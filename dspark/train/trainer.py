@@ -296,10 +296,11 @@ class Trainer:
                 if self.dist.rank == 0:
                     _append_log(self.out_dir / LOG_FILE, record)
                 bar.set_postfix(loss=record["loss"], tau=record["expected_accept_len"])
-            if self.step % self.cfg.log.ckpt_every == 0 or self.step == total:
-                self.save_checkpoint()
+            # the snapshot first: a run killed between the two resumes before this step and redoes both
             if self.cfg.log.snapshot_every and self.step % self.cfg.log.snapshot_every == 0:
                 self.save_snapshot()
+            if self.step % self.cfg.log.ckpt_every == 0 or self.step == total:
+                self.save_checkpoint()
         bar.close()
         # seconds cover the steps this call ran: from start_step (a resumed run's checkpoint) to step
         return {"step": self.step, "start_step": first, "total_steps": total,
