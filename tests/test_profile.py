@@ -161,20 +161,26 @@ def test_run_profile_prints_the_table_and_plots(tmp_path, capsys):
 
 
 def test_profile_measures_forward_and_drafting_apart(tmp_path):
-    """outcome.cost holds F(B) over the budget grid and D(R) for R = 1..max_requests;
-    a drafter that sleeps 30 ms per propose shows up in D, not in F, and the single
-    curve is F(B) + D(fewest requests that verify B)."""
-    from dspark.schedule.cost import SplitCost
+    """outcome.cost holds F(R, B) over (request count, budget) and D(R) for
+    R = 1..max_requests; a drafter that sleeps 30 ms per propose shows up in D, not
+    in F, and the single curve is F(R, B) + D(R) at the fewest requests R that verify B."""
+    from dspark.schedule.cost import ForwardGrid, SplitCost
 
     target = tiny_target(seed=1, vocab_size=96)
     drafter = SlowDrafter(NgramDrafter(block_size=4), delay_s=0.03)
     out = profile_engine(target, drafter, model_id="tiny", settings=SMALL, home=tmp_path, progress=False)
     cost = out.cost
-    assert isinstance(cost, SplitCost)
-    assert cost.forward.budgets == SMALL.budgets(4) and cost.draft.budgets == [1, 2, 3]
+    assert isinstance(cost, SplitCost) and isinstance(cost.forward, ForwardGrid)
+    budgets = SMALL.budgets(4)
+    assert cost.forward.counts == SMALL.request_rows(4) == [1, 2, 3] and cost.draft.budgets == [1, 2, 3]
+    for r, table in cost.forward.rows.items():  # R requests verify R..5R tokens
+        assert table.budgets == SMALL.row_budgets(r, 4, budgets)
+        assert table.budgets[0] == r and table.budgets[-1] == min(5 * r, budgets[-1])
     assert all(s >= 0.03 for _, s in cost.draft.points())
-    assert all(s < 0.03 for _, s in cost.forward.points())  # a tiny target's forward: well under 30 ms
+    assert all(s < 0.03 for _, _, s in cost.forward.points())  # a tiny target's forward: well under 30 ms
     for b, s in out.table.points():
-        assert s == pytest.approx(cost.forward.seconds_per_step(b) + cost.draft.seconds_per_step(-(-b // 5)))
+        fewest = -(-b // 5)
+        assert s == pytest.approx(cost.forward.seconds_per_step(b, fewest) + cost.draft.seconds_per_step(fewest))
     again = profile_engine(target, drafter, model_id="tiny", settings=SMALL, home=tmp_path, progress=False)
     assert again.reused and again.cost.draft.points() == cost.draft.points()
+    assert again.cost.forward.points() == cost.forward.points()

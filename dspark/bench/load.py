@@ -198,7 +198,7 @@ class InProcessBackend:
         return {"drafter_name": drafter.name, "block_size": drafter.block_size,
                 "has_confidence": bool(getattr(drafter, "has_confidence", False)),
                 "cost_table": None if cost is None else {
-                    "forward": [[b, s] for b, s in cost.forward.points()],
+                    "forward": [list(point) for point in cost.forward.points()],  # [R, B, s]
                     "draft": [[r, s] for r, s in cost.draft.points()]}}
 
     async def aclose(self) -> None:

@@ -2,22 +2,24 @@
 
 The prefix schedulers pick verify lengths by maximising tau * SPS(B), where B
 is the number of tokens the target verifies in one step. SPS(B) is measured
-once per (model, drafter, hardware, dtype, settings) and cached on disk as a
-`CostTable` under `<dspark home>/profiles/`; a later start with the same
+once per (model, drafter, hardware, dtype, settings) and cached on disk (a
+`ForwardGrid` and a `CostTable`) under `<dspark home>/profiles/`; a later start with the same
 `CostKey` reuses the file, any difference re-profiles.
 
-One budget B is measured on synthetic requests with a realistic cached
-context (`context_len` tokens of English text, or seeded pseudo-text when no
-tokenizer is at hand) in a scratch KV cache: B is split over the fewest
-requests that can verify it, R = ceil(B / (1 + G)), each verifying 1 + l_r
-tokens (l_r <= G, as even as possible). One timed step is the drafter's
-batched `propose` for those R requests plus the ragged target forward over
-the B tokens (with logits for all B rows and the drafter's tapped layers, as
-the engine asks). `warmup` untimed steps at the largest budget come first
-(they touch every buffer once); each budget is then the median of `repeats`
-timed steps. After every step the scratch slots roll back to the context, and
-everything is released at the end. Verification sampling and
-Python bookkeeping of a real step are not included.
+Steps are measured on synthetic requests with a realistic cached context
+(`context_len` tokens of English text, or seeded pseudo-text when no
+tokenizer is at hand) in a scratch KV cache. The target forward is measured
+over a grid of request counts R and budgets B, F(R, B): B split over R
+requests, each verifying 1 + l_r tokens (l_r <= G, as even as possible),
+because a step's time depends on how many contexts it reads as well as on
+how many tokens it verifies (`ForwardGrid`). Drafting is measured apart, one
+batched `propose` for R requests, D(R). The forward returns logits for all B
+rows and the drafter's tapped layers, as the engine asks. `warmup` untimed
+steps at the largest budget come first (they touch every buffer once); each
+point is then the median of `repeats` timed steps. After every step the
+scratch slots roll back to the context, and everything is released at the
+end. Verification sampling and Python bookkeeping of a real step are not
+included.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,7 +39,7 @@ import torch
 from dspark.errors import UserError
 from dspark.models.cpu_kernels import MAX_ROWS, ROW_GROUP, has_cpu_kernels
 from dspark.schedule import CostKey, CostTable, budget_grid, profile_points, settings_fingerprint
-from dspark.schedule.cost import SplitCost
+from dspark.schedule.cost import ForwardGrid, SplitCost
 from dspark.types import RaggedBatch, SamplingParams
 
 # Filler for the synthetic context (tiled to context_len tokens when a tokenizer is given).
@@ -63,6 +65,8 @@ class ProfileSettings:
     warmup: int = 2  # untimed steps at the largest budget before any timing (0..10)
     dense_until: int = 8  # measure every B up to this, then a geometric grid (>= 1)
     ratio: float = 1.3  # geometric grid ratio past dense_until (1 < ratio <= 4)
+    rows_dense_until: int = 4  # forward measured at every request count R up to this, then ...
+    rows_ratio: float = 1.5  # ... a geometric grid of R with this ratio (1 < ratio <= 4), up to max_requests
 
     def __post_init__(self) -> None:
         checks = [
@@ -73,6 +77,8 @@ class ProfileSettings:
             ("warmup", 0 <= self.warmup <= 10, "0..10"),
             ("dense_until", self.dense_until >= 1, ">= 1"),
             ("ratio", 1.0 < self.ratio <= 4.0, "in (1, 4]"),
+            ("rows_dense_until", self.rows_dense_until >= 1, ">= 1"),
+            ("rows_ratio", 1.0 < self.rows_ratio <= 4.0, "in (1, 4]"),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -87,15 +93,35 @@ class ProfileSettings:
                            row_group_until=row_group_until)
 
 
+    def request_rows(self, block_size: int) -> list[int]:
+        """The request counts R at which the target forward F(R, B) is measured (each one
+        can verify at least one token per request within the largest budget)."""
+        rows = budget_grid(self.max_requests, dense_until=self.rows_dense_until, ratio=self.rows_ratio)
+        return [r for r in rows if r <= self.budgets(block_size)[-1]]
+
+    def row_budgets(self, requests: int, block_size: int, budgets: Sequence[int]) -> list[int]:
+        """The budgets B measured for `requests` requests: those of `budgets` that R requests
+        can verify (R <= B <= R (1 + G)), and both ends of that range."""
+        top = min(requests * (1 + block_size), max(budgets))
+        return sorted({b for b in budgets if requests <= b <= top} | {requests, top})
+
+
+def spread_budget(budget: int, requests: int, block_size: int) -> list[int]:
+    """Query lengths 1 + l_r of exactly `requests` requests verifying `budget` tokens, as
+    even as possible (each in 1..1 + G)."""
+    if not requests <= budget <= requests * (1 + block_size):
+        raise ValueError(f"{requests} requests verify {requests}..{requests * (1 + block_size)} tokens, not {budget}")
+    base, extra = divmod(budget, requests)
+    return [base + 1] * extra + [base] * (requests - extra)
+
+
 def split_budget(budget: int, block_size: int, max_requests: int) -> list[int]:
     """Query lengths 1 + l_r of the fewest requests that verify `budget` tokens,
     as even as possible (each in 1..1 + G)."""
     per_request = 1 + block_size
     if not 1 <= budget <= max_requests * per_request:
         raise ValueError(f"budget {budget} needs 1..{max_requests * per_request} tokens")
-    count = math.ceil(budget / per_request)
-    base, extra = divmod(budget, count)
-    return [base + 1] * extra + [base] * (count - extra)
+    return spread_budget(budget, math.ceil(budget / per_request), block_size)
 
 
 # --------------------------------------------------------------- cache key
@@ -118,7 +144,8 @@ def hardware_id(device: torch.device | str = "cpu") -> str:
 
 # bumped when a change to the runtime or the drafters changes step times, so that profiles
 # cached by an older dspark are measured again instead of reused
-RUNTIME_REVISION = 5  # 5: attention in parts by query length; budgets on both sides of row-group edges
+RUNTIME_REVISION = 6  # 5: attention in parts by query length; budgets on both sides of row-group edges;
+#                       6: the forward measured over (requests, tokens)
 
 
 def profile_key(
@@ -157,6 +184,7 @@ def load_or_profile(
     path: Path | None,
     refresh: bool = False,
     progress: bool = True,
+    desc: str = "profiling SPS(B)",
 ) -> ProfileOutcome:
     """Reuse the table cached at `path` if it was measured for `key`; otherwise call
     `measure(B)` (seconds per step) at every budget, and cache the new table."""
@@ -168,7 +196,7 @@ def load_or_profile(
             cached = None
         if cached is not None:
             return ProfileOutcome(cached, path, reused=True)
-    table = profile_points(measure, budgets, key=key, progress=progress)
+    table = profile_points(measure, budgets, key=key, progress=progress, desc=desc)
     if path is not None:
         table.save(path)
     return ProfileOutcome(table, path, reused=False)
@@ -268,9 +296,12 @@ class StepBench:
         for _ in range(self.settings.warmup):
             self.step_seconds(lens)
 
-    def measure(self, budget: int, include_propose: bool = True) -> float:
-        """Median seconds of one step verifying `budget` tokens (or of its target forward alone)."""
-        lens = split_budget(budget, self.drafter.block_size, self.settings.max_requests)
+    def measure(self, budget: int, include_propose: bool = True, requests: int | None = None) -> float:
+        """Median seconds of one step verifying `budget` tokens (or of its target forward alone),
+        spread over `requests` requests (None: the fewest that can verify them)."""
+        block = self.drafter.block_size
+        lens = (split_budget(budget, block, self.settings.max_requests) if requests is None
+                else spread_budget(budget, requests, block))
         return statistics.median(self.step_seconds(lens, include_propose) for _ in range(self.settings.repeats))
 
     def measure_propose(self, count: int) -> float:
@@ -307,10 +338,12 @@ def profile_engine(
 ) -> ProfileOutcome:
     """SPS(B) for `target` + `drafter` on this machine: cached, or measured now.
 
-    Two curves are measured (and cached) apart: the target forward F(B) over
-    the budget grid, and one batched propose D(R) for R = 1..max_requests.
-    `outcome.cost` is that `SplitCost`; `outcome.table` is the single curve
-    F(B) + D(ceil(B / (1 + G))) (the fewest requests that verify B tokens).
+    Two parts are measured (and cached) apart: the target forward F(R, B)
+    (a `ForwardGrid`: at each request count R of `settings.request_rows`,
+    over the budgets R of them can verify) and one batched propose D(R) for
+    R = 1..max_requests. `outcome.cost` is that `SplitCost`; `outcome.table`
+    is the single curve F(R, B) + D(R) at the fewest requests that verify B
+    tokens, R = ceil(B / (1 + G)) (what `dspark profile` prints and plots).
 
     `model_id` and `drafter_id` name what is loaded (a path, a name); they go
     into the cache key with the dtype, the hardware and `settings`.
@@ -345,18 +378,59 @@ def profile_engine(
     def path_of(k: CostKey) -> Path | None:
         return profile_path(k, home) if cache else None
 
+    rows = {r: settings.row_budgets(r, drafter.block_size, budgets) for r in settings.request_rows(drafter.block_size)}
     try:
-        forward = load_or_profile(forward_key, lambda b: ready().measure(b, include_propose=False), budgets,
-                                  path=path_of(forward_key), refresh=refresh, progress=progress)
+        forward, forward_reused = load_or_profile_grid(
+            forward_key, lambda r, b: ready().measure(b, include_propose=False, requests=r), rows,
+            path=path_of(forward_key), refresh=refresh, progress=progress)
         draft = load_or_profile(draft_key, lambda r: ready().measure_propose(r), counts,
-                                path=path_of(draft_key), refresh=refresh, progress=progress)
+                                path=path_of(draft_key), refresh=refresh, progress=progress,
+                                desc="profiling D(R)")
     finally:
         if bench is not None:
             bench.close()
-    split = SplitCost(forward.table, draft.table)
+    split = SplitCost(forward, draft.table)
     per_request = 1 + drafter.block_size
-    table = CostTable({b: split.seconds(b, math.ceil(b / per_request)) for b in budgets}, key=key)
-    return ProfileOutcome(table, forward.path, reused=forward.reused and draft.reused, cost=split)
+    fewest = {b: math.ceil(b / per_request) for b in budgets}
+    table = CostTable({b: split.seconds(b, fewest[b]) for b in budgets}, key=key)
+    return ProfileOutcome(table, path_of(forward_key), reused=forward_reused and draft.reused, cost=split)
+
+
+def load_or_profile_grid(
+    key: CostKey,
+    measure: Callable[[int, int], float],
+    rows: Mapping[int, Sequence[int]],
+    *,
+    path: Path | None,
+    refresh: bool = False,
+    progress: bool = True,
+) -> tuple[ForwardGrid, bool]:
+    """Reuse the F(R, B) grid cached at `path` if it was measured for `key` (returns it and
+    True); otherwise call `measure(R, B)` (seconds) at every budget B of every row R in
+    `rows`, cache the new grid and return it and False."""
+    from tqdm.auto import tqdm
+
+    if path is not None and not refresh:
+        try:
+            cached = ForwardGrid.try_load(path, key)
+        except UserError as err:  # malformed file: say so, measure again
+            print(f"[dspark] {err}", file=sys.stderr)
+            cached = None
+        if cached is not None:
+            return cached, True
+    if not rows or not all(rows.values()):
+        raise ValueError("the forward grid needs at least one request count, each with at least one budget")
+    measured: dict[int, dict[int, float]] = {r: {} for r in rows}
+    pairs = [(r, b) for r, budgets in rows.items() for b in budgets]
+    for r, b in tqdm(pairs, desc="profiling F(R, B)", unit="point", disable=not progress):
+        seconds = float(measure(r, b))
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"measure({r}, {b}) returned {seconds}; it must return seconds (> 0)")
+        measured[r][b] = seconds
+    grid = ForwardGrid({r: CostTable(points) for r, points in measured.items()}, key=key)
+    if path is not None:
+        grid.save(path)
+    return grid, False
 
 
 def format_table(table: CostTable) -> str:
@@ -368,13 +442,18 @@ def format_table(table: CostTable) -> str:
 
 
 def format_split(cost: SplitCost) -> str:
-    """The two measured curves side by side: F(B) per budget, D(R) per request count."""
-    lines = [f"{'B':>5} {'F ms':>9}    {'R':>4} {'D ms':>9}"]
-    f_points, d_points = cost.forward.points(), cost.draft.points()
-    for i in range(max(len(f_points), len(d_points))):
-        left = f"{f_points[i][0]:>5} {1e3 * f_points[i][1]:>9.2f}" if i < len(f_points) else " " * 15
-        right = f"{d_points[i][0]:>4} {1e3 * d_points[i][1]:>9.2f}" if i < len(d_points) else ""
-        lines.append(f"{left}    {right}".rstrip())
+    """The measured parts: the forward F(R, B) as a table of budgets B (rows) by request
+    counts R (columns, '-' where R requests cannot verify B tokens), then D(R)."""
+    forward = cost.forward
+    grid = forward.rows if isinstance(forward, ForwardGrid) else {1: forward}
+    budgets = sorted({b for table in grid.values() for b in table.budgets})
+    head = "F ms" if len(grid) == 1 else "F(R, B) ms, R ="
+    lines = [f"{'B':>5}  {head}", f"{'':>5}  " + " ".join(f"{r:>8}" for r in grid)]
+    for b in budgets:
+        cells = [f"{1e3 * dict(t.points())[b]:>8.2f}" if b in t.budgets else f"{'-':>8}" for t in grid.values()]
+        lines.append(f"{b:>5}  " + " ".join(cells))
+    lines.append(f"\n{'R':>5}  D ms")
+    lines.extend(f"{r:>5}  {1e3 * s:>7.2f}" for r, s in cost.draft.points())
     return "\n".join(lines)
 
 
@@ -410,10 +489,12 @@ def run_profile(
     print(f"SPS(B) for {loaded.name} + {drafter.name} (G={drafter.block_size}), {how}")
     print(f"key: {table.key}")
     print(format_table(table))
-    print("\ntarget forward alone F(B), and one batched propose D(R) for R requests:")
+    print("\ntarget forward alone F(R, B) for R requests verifying B tokens, and one batched propose D(R):")
     print(format_split(outcome.cost))
     png = Path(out_png) if out_png is not None else (outcome.path.with_suffix(".png") if outcome.path else None)
     if png is not None:
         table.plot(png)
-        print(f"plot: {png}")
+        grid_png = png.with_name(png.stem + "-forward.png")
+        outcome.cost.forward.plot(grid_png)
+        print(f"plots: {png}, {grid_png}")
     return table

@@ -22,6 +22,7 @@ another key.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -32,6 +33,7 @@ from pathlib import Path
 from dspark.errors import UserError
 
 _FORMAT = "dspark-cost-table"
+_GRID_FORMAT = "dspark-forward-grid"
 _VERSION = 1
 
 
@@ -266,6 +268,7 @@ def profile_points(
     key: CostKey | None = None,
     monotone: bool = False,
     progress: bool = True,
+    desc: str = "profiling SPS(B)",
 ) -> CostTable:
     """Measure seconds per step at each budget with `measure(B)` and build a table.
 
@@ -277,7 +280,7 @@ def profile_points(
     if not budgets:
         raise ValueError("profile_points needs at least one budget")
     points: dict[int, float] = {}
-    for b in tqdm(list(budgets), desc="profiling SPS(B)", unit="budget", disable=not progress):
+    for b in tqdm(list(budgets), desc=desc, unit="point", disable=not progress):
         seconds = float(measure(int(b)))
         if not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"measure({b}) returned {seconds}; it must return seconds per step (> 0)")
@@ -285,13 +288,131 @@ def profile_points(
     return CostTable(points, key=key, monotone=monotone)
 
 
+class ForwardGrid:
+    """The target forward measured over requests and tokens: F(R, B).
+
+    A step of R requests verifying B tokens (R <= B <= R (1 + G)) reads R
+    requests' contexts and runs attention in R ragged parts, so its time
+    depends on R as well as on B. On this CPU a plain decode step of 16
+    requests (B = 16) took about 1.7x as long as 16 tokens split over 2
+    requests (docs/LOAD.md, "Limits"). A curve over B alone, measured on the
+    fewest requests, therefore makes a plain step of many requests look cheap
+    and each extra verified token look dear.
+
+    `rows` maps measured request counts R to a `CostTable` over B (its budgets
+    from R to R (1 + G)). A lookup for an unmeasured R interpolates linearly
+    between the two nearest measured rows, at the same B; below the smallest
+    row it reads that row; past the largest it extrapolates with the last two
+    rows' slope in R (floored at zero). Within a row, `CostTable`'s own rules
+    (and below a row's first budget, its first slope backwards).
+    """
+
+    def __init__(self, rows: Mapping[int, CostTable], key: CostKey | None = None) -> None:
+        if not rows:
+            raise ValueError("a forward grid needs at least one measured request count")
+        for r in rows:
+            if int(r) != r or r < 1:
+                raise ValueError(f"request counts must be integers >= 1, got {r}")
+        self.rows: dict[int, CostTable] = {int(r): rows[r] for r in sorted(rows)}
+        self.counts: list[int] = list(self.rows)
+        self.key = key
+
+    def seconds_per_step(self, budget: int, requests: int) -> float:
+        """Seconds of the target forward for `requests` requests verifying `budget` tokens."""
+        if requests < 1:
+            raise ValueError(f"requests must be >= 1, got {requests}")
+        counts, row = self.counts, self._row_seconds
+        if len(counts) == 1 or requests <= counts[0]:
+            return row(counts[0], budget)
+        if requests >= counts[-1]:
+            r0, r1 = counts[-2], counts[-1]
+            slope = max(0.0, (row(r1, budget) - row(r0, budget)) / (r1 - r0))
+            return row(r1, budget) + slope * (requests - r1)
+        i = bisect.bisect_left(counts, requests)
+        r0, r1 = counts[i - 1], counts[i]
+        s0, s1 = row(r0, budget), row(r1, budget)
+        return s0 + (s1 - s0) * (requests - r0) / (r1 - r0)
+
+    def _row_seconds(self, requests: int, budget: int) -> float:
+        """Row `requests` at `budget`; below the row's first budget (its R: fewer tokens than
+        requests, asked only while interpolating from a smaller row) the row's first slope
+        continues backwards (floored at zero, and at half the first point)."""
+        table = self.rows[requests]
+        first = table.budgets[0]
+        if budget >= first or len(table.budgets) == 1:
+            return table.seconds_per_step(budget)
+        s0 = table.seconds_per_step(first)
+        slope = max(0.0, (table.seconds_per_step(table.budgets[1]) - s0) / (table.budgets[1] - first))
+        return max(0.5 * s0, s0 - slope * (first - budget))
+
+    def points(self) -> list[tuple[int, int, float]]:
+        """Every measured point as (R, B, seconds), sorted by R then B."""
+        return [(r, b, s) for r, table in self.rows.items() for b, s in table.points()]
+
+    def to_json(self) -> dict:
+        return {"format": _GRID_FORMAT, "version": _VERSION, "key": asdict(self.key) if self.key else None,
+                "rows": {str(r): [[b, s] for b, s in t.points()] for r, t in self.rows.items()}}
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        tmp.replace(path)  # atomic: a reader never sees half a file
+
+    @classmethod
+    def from_json(cls, data: dict, source: str = "forward grid") -> "ForwardGrid":
+        if not isinstance(data, dict) or data.get("format") != _GRID_FORMAT or data.get("version") != _VERSION:
+            raise UserError(f"{source} is not a dspark forward grid of version {_VERSION}; delete it to re-profile")
+        try:
+            key = CostKey(**data["key"]) if data["key"] is not None else None
+            rows = {int(r): CostTable([(int(b), float(s)) for b, s in pts]) for r, pts in data["rows"].items()}
+            return cls(rows, key=key)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise UserError(f"{source} is malformed ({exc}); delete it to re-profile") from exc
+
+    @classmethod
+    def try_load(cls, path: str | Path, key: CostKey | None) -> "ForwardGrid | None":
+        """The grid saved at `path` if it was measured for `key`; None when missing or measured
+        for another key; `UserError` when the file is not a readable grid."""
+        path = Path(path)
+        if not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise UserError(f"forward grid {path} is not valid JSON ({exc}); delete it to re-profile") from exc
+        grid = cls.from_json(data, source=f"forward grid {path}")
+        return grid if grid.key == key else None
+
+    def plot(self, path: str | Path, title: str | None = None) -> None:
+        """Write a PNG: ms per forward against B, one line per measured request count."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(6.5, 4.2))
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
+        for r, table in self.rows.items():
+            ax.plot(table.budgets, [1e3 * s for s in table.raw_seconds], "o-", ms=2.5, lw=1, label=f"R={r}")
+        ax.set(xlabel="B (tokens verified per step)", ylabel="ms per target forward",
+               title=title or "F(R, B): target forward by requests R and tokens B")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(str(path), dpi=110)
+
+
 class SplitCost:
     """Step time split into its two parts: seconds = F(B) + D(R).
 
-    F (`forward`) is the target forward that verifies B tokens; D (`draft`) is
-    one batched `propose` for R requests (its table's "budget" axis is R). A
-    drafted step of R requests verifying B tokens takes F(B) + D(R); a step
-    whose drafting was skipped takes F(R) (each request decodes one token).
+    F (`forward`) is the target forward that verifies B tokens: a `CostTable`
+    over B, or a `ForwardGrid` F(R, B) that also sees how many requests share
+    the step. D (`draft`) is one batched `propose` for R requests (its table's
+    "budget" axis is R). A step of R requests of which R' drafted, verifying B
+    tokens, takes F(R, B) + D(R'); a step whose drafting was skipped takes
+    F(R, R) (each request decodes one token).
 
     Why split: drafting costs per *request*, verification per *token*. On a
     GPU D is a few percent of a step and a single curve over B is enough; on
@@ -299,23 +420,34 @@ class SplitCost:
     l = 0 still pay D(R), and only this split lets the scheduler see that
     skipping the draft altogether is sometimes the faster step.
 
-    `given_requests(R)` is the single curve SPS(B) = 1 / (F(B) + D(R)) that
-    Algorithm 1 walks for a batch of R drafted requests.
+    `given_requests(R', R)` is the single curve SPS(B) = 1 / (F(R, B) + D(R'))
+    that Algorithm 1 walks for a batch of R requests, R' of which drafted.
     """
 
-    def __init__(self, forward: CostTable, draft: CostTable) -> None:
+    def __init__(self, forward: "CostTable | ForwardGrid", draft: CostTable) -> None:
         self.forward, self.draft = forward, draft
         self.key = forward.key
 
-    def seconds(self, budget: int, requests: int, drafted: bool = True) -> float:
-        """Seconds of one step of `requests` requests verifying `budget` tokens."""
-        return self.forward.seconds_per_step(budget) + (self.draft.seconds_per_step(requests) if drafted else 0.0)
+    def forward_seconds(self, budget: int, requests: int) -> float:
+        """F(R, B): the target forward of `requests` requests verifying `budget` tokens."""
+        if isinstance(self.forward, ForwardGrid):
+            return self.forward.seconds_per_step(budget, requests)
+        return self.forward.seconds_per_step(budget)
 
-    def given_requests(self, requests: int) -> "_DraftedCurve":
-        return _DraftedCurve(self, requests)
+    def seconds(self, budget: int, requests: int, drafted: int | bool | None = None) -> float:
+        """Seconds of one step of `requests` requests verifying `budget` tokens, of which
+        `drafted` requests drafted (None or True: all of them; 0 or False: a plain step)."""
+        count = requests if drafted is None or drafted is True else int(drafted)
+        draft = self.draft.seconds_per_step(count) if count > 0 else 0.0
+        return self.forward_seconds(budget, requests) + draft
 
-    def points(self) -> list[tuple[int, float]]:
-        """The forward curve's measured points (for reports that show one curve)."""
+    def given_requests(self, drafted: int, requests: int | None = None) -> "_DraftedCurve":
+        """The SPS(B) curve of a step of `requests` requests (default: `drafted`), `drafted` of
+        which drafted."""
+        return _DraftedCurve(self, drafted, drafted if requests is None else requests)
+
+    def points(self) -> list[tuple]:
+        """The forward's measured points, (B, seconds) or (R, B, seconds) for a grid."""
         return self.forward.points()
 
     def to_json(self) -> dict:
@@ -325,16 +457,18 @@ class SplitCost:
 class _DraftedCurve:
     """SPS(B) of a drafted step of a fixed number of requests (duck-types `CostTable.sps`)."""
 
-    def __init__(self, cost: SplitCost, requests: int) -> None:
-        self._cost, self._draft = cost, cost.draft.seconds_per_step(max(1, requests))
+    def __init__(self, cost: SplitCost, drafted: int, requests: int) -> None:
+        self._cost, self._requests = cost, max(1, requests)
+        self._draft = cost.draft.seconds_per_step(max(1, drafted))
 
     def seconds_per_step(self, budget: int) -> float:
-        return self._cost.forward.seconds_per_step(budget) + self._draft
+        return self._cost.forward_seconds(budget, self._requests) + self._draft
 
     def sps(self, budget: int) -> float:
         return 1.0 / self.seconds_per_step(budget)
 
 
-def curve_for(cost: "CostTable | SplitCost", requests: int):
-    """The SPS(B) curve a scheduler walks for `requests` drafted requests."""
-    return cost.given_requests(requests) if isinstance(cost, SplitCost) else cost
+def curve_for(cost: "CostTable | SplitCost", drafted: int, requests: int | None = None):
+    """The SPS(B) curve a scheduler walks for a step of `requests` requests (default:
+    `drafted`), `drafted` of which drafted."""
+    return cost.given_requests(drafted, requests) if isinstance(cost, SplitCost) else cost

@@ -14,8 +14,8 @@ F(B) + D(R) (`SplitCost`). It walks the admission path of those curves
 (Algorithm 1's ranking) and prices each prefix of it as a step that drafts
 only the requests the prefix reaches:
 
-    rate(n) = (R + a_1 + ... + a_n) / (F(R + n) + D(requests among the first n))
-    rate(0) = R / F(R)                              (one plain decode step)
+    rate(n) = (R + a_1 + ... + a_n) / (F(R, R + n) + D(requests among the first n))
+    rate(0) = R / F(R, R)                              (one plain decode step)
 
 and drafts the requests of the best prefix: everyone, no one, or the few
 whose curves pay for their drafting (a code request copying its prompt
@@ -173,7 +173,7 @@ class DraftGate:
 
     def best_drafts(self, curves: Sequence[Sequence[float]]) -> list[bool]:
         """The requests to draft for the highest expected tokens per second: walk the admission
-        path of `curves` (Algorithm 1's order) pricing prefix n at F(R + n) + D(requests it
+        path of `curves` (Algorithm 1's order) pricing prefix n at F(R, R + n) + D(requests it
         reaches), against a plain decode step (n = 0), and draft the best prefix's requests."""
         from dspark.schedule.prefix import ranked_candidates
 
@@ -184,7 +184,7 @@ class DraftGate:
         for n, (request, _, a) in enumerate(ranked_candidates(curves), start=1):
             reached.add(request)
             accepts += a
-            rate = accepts / self.cost.seconds(r + n, len(reached))
+            rate = accepts / self.cost.seconds(r + n, r, drafted=len(reached))
             if rate > best_rate:
                 best_rate, best_reached = rate, frozenset(reached)
         return [i in best_reached for i in range(r)]

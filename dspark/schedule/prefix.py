@@ -118,7 +118,7 @@ class PrefixScheduler:
     Requests without confidences verify all drafted tokens (FixedLength fallback).
 
     With a `SplitCost` (target forward F(B) and drafting D(R) measured apart)
-    the walk uses SPS(B) = 1 / (F(B) + D(R)) for the R requests that drafted,
+    the walk uses SPS(B) = 1 / (F(R, B) + D(R')) for a step of R requests of which R' drafted,
     and `choose_drafts` tells the engine, before drafting, which requests to
     draft at all: none when even the best drafted step would be slower than a
     plain decode step, or only those whose past curves pay for their drafting
@@ -142,7 +142,7 @@ class PrefixScheduler:
             self.gate.record(requests)
         batch = _Batch.of(requests)
         cands = ranked_candidates(batch.survivals)
-        n = greedy_walk(cands, curve_for(self.cost, _drafted(requests)), batch.base_tokens, len(requests),
+        n = greedy_walk(cands, curve_for(self.cost, _drafted(requests), len(requests)), batch.base_tokens, len(requests),
                         early_stop=True)
         return batch.lengths(cands[:n])
 
@@ -168,7 +168,7 @@ class RetrospectivePrefixScheduler(PrefixScheduler):
             return []
         batch = _Batch.of(requests)
         cands = ranked_candidates(batch.survivals)
-        n = greedy_walk(cands, curve_for(self.cost, _drafted(requests)), batch.base_tokens, len(requests),
+        n = greedy_walk(cands, curve_for(self.cost, _drafted(requests), len(requests)), batch.base_tokens, len(requests),
                         early_stop=False)
         return batch.lengths(cands[:n])
 
@@ -257,7 +257,7 @@ class AsyncPrefixScheduler:
             else:
                 historical.append(by_id.get(q.request_id, proxy)[: q.num_drafted])
         cands = ranked_candidates(historical)
-        return greedy_walk(cands, curve_for(self.cost, _drafted(requests)), len(requests) + pinned_tokens,
+        return greedy_walk(cands, curve_for(self.cost, _drafted(requests), len(requests)), len(requests) + pinned_tokens,
                            len(requests), early_stop=False)
 
     def commit(self, outcomes: list[ScheduleOutcome]) -> None:
