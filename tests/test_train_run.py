@@ -193,6 +193,15 @@ def test_snapshots_feed_the_budget_report(tmp_path):
     text = page.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| 2 ") or line.startswith("| 4 ")]
     assert len(rows) == 2 and all(line.rstrip(" |").endswith("x") for line in rows)
+    assert "| dspark / dflash |" in text  # the first run over each other run
+    from dspark.train.budget import budget_table
+
+    fake = {"A": [{"step": 2, "expected_accept_len": 1.5, "accept_per_position": [0.4]}],
+            "B": [{"step": 2, "expected_accept_len": 1.2, "accept_per_position": [0.2]}],
+            "C": [{"step": 4, "expected_accept_len": 1.1, "accept_per_position": [0.1]}]}
+    table = budget_table(fake)
+    assert "| 2 | 1.500 (0.400) | 1.200 (0.200) | - | 1.250x | - |" in table
+    assert "| 4 | - | - | 1.100 (0.100) | - | - |" in table
     assert (tmp_path / "docs" / "figures" / "budget.png").stat().st_size > 5000
     step4 = json.loads((tmp_path / "run-dspark" / "budget" / "step-0000004.json").read_text())
     direct = evaluate_drafter(recipes[0][1], tmp_path / "run-dspark" / "snapshots" / "step-0000004")

@@ -12,8 +12,9 @@ like the end of training (`evaluate_drafter`: the recipe's held-out
 sequences, its losses and anchors, features computed online), and the result
 is cached in `<out_dir>/budget/step-NNNNNNN.json`, so a rerun evaluates only
 new drafters. Writes a markdown page (held-out expected tau and position-1
-acceptance per step, and each run's tau over the first run's at the same
-step) and a PNG of the same next to it.
+acceptance per step, and the first run's tau over each other run's at the
+same step: list the recipe being compared first) and a PNG of the same next
+to it.
 """
 
 from __future__ import annotations
@@ -75,12 +76,13 @@ def evaluate_run(recipe: str | Path, evaluate: Callable[[Path, Path], dict] | No
 
 
 def budget_table(results: dict[str, list[dict]]) -> str:
-    """Markdown: one row per step any run reached; tau, position-1 acceptance, ratio to the first run."""
+    """Markdown: one row per step any run reached; tau, position-1 acceptance, and the first run's
+    tau over each other run's (the first run is the one being compared)."""
     labels = list(results)
     by_step = {label: {r["step"]: r for r in rows} for label, rows in results.items()}
     steps = sorted({s for rows in by_step.values() for s in rows})
     head = ["step"] + [f"{label} tau (acc@1)" for label in labels]
-    head += [f"{label} / {labels[0]}" for label in labels[1:]]
+    head += [f"{labels[0]} / {label}" for label in labels[1:]]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for step in steps:
         cells = [str(step)]
@@ -91,7 +93,7 @@ def budget_table(results: dict[str, list[dict]]) -> str:
         for label in labels[1:]:
             r = by_step[label].get(step)
             ok = r is not None and base is not None
-            cells.append(f"{r['expected_accept_len'] / base['expected_accept_len']:.3f}x" if ok else "-")
+            cells.append(f"{base['expected_accept_len'] / r['expected_accept_len']:.3f}x" if ok else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -146,7 +148,7 @@ USAGE = "usage: python -m dspark.train.budget --run LABEL=RECIPE [--run LABEL=RE
 
 
 def parse_args(argv: list[str]) -> tuple[list[tuple[str, str]], str]:
-    """([(label, recipe)], markdown path) from the command line; the first run is the ratios' reference."""
+    """([(label, recipe)], markdown path) from the command line; the first run is the ratios' numerator."""
     runs, out = [], "docs/TRAINING_BUDGET.md"
     args = iter(argv)
     for arg in args:
