@@ -98,7 +98,7 @@ def test_gate_discounts_curves_by_the_acceptance_actually_realised():
 
 
 def test_gate_probes_after_skipping_and_forgets_finished_requests():
-    gate = DraftGate(_split(50, 5, 40), probe_every=3)
+    gate = DraftGate(_split(50, 5, 40), probe_every=3, max_probe_every=3)
     gate.record([_req("a", [0.1])])
     decisions = [gate.choose(["a"])[0] for _ in range(8)]
     assert decisions == [False, False, False, True, False, False, False, True]
@@ -107,6 +107,24 @@ def test_gate_probes_after_skipping_and_forgets_finished_requests():
     # "c" has no curve yet: it stands in with the mean recent curve (0.545), and at D(2) = 80 ms
     # the best drafted step, 3.535 tokens / 145 ms, loses to plain decoding's 2 / 55 ms
     assert gate.choose(["b", "c"]) == [False, False]
+
+
+def test_probes_back_off_while_they_find_nothing_and_reset_when_drafting_pays():
+    """Probe every 3 steps at first; each probe whose fresh curve pays for nothing doubles the
+    wait, up to max_probe_every (default 4 x 3 = 12); a curve worth drafting resets it."""
+    gate = DraftGate(_split(50, 5, 40), probe_every=3)
+    gate.record([_req("a", [0.1])])
+    decisions = []
+    for _ in range(40):
+        decisions.append(gate.choose(["a"])[0])
+        if decisions[-1]:
+            gate.record([_req("a", [0.1])])  # the probe's curve: still poor
+    assert [i for i, d in enumerate(decisions) if d] == [3, 10, 23, 36]
+    assert gate.probe_interval == 12
+    gate.record([_req("a", [0.99, 0.99, 0.99])])  # the text turned predictable
+    assert gate.choose(["a"]) == [True] and gate.probe_interval == 3
+    with pytest.raises(ValueError, match="max_probe_every"):
+        DraftGate(_split(50, 5, 40), probe_every=8, max_probe_every=4)
 
 
 def test_a_new_request_uses_the_mean_recent_curve_instead_of_forcing_a_draft():
@@ -151,7 +169,7 @@ def test_partial_drafting_counts_towards_the_probe():
 def test_probes_and_the_first_curve_draft_the_stalest_quarter():
     """Learning and probing draft a quarter of the batch (at least one request): those without
     a curve first, then the oldest curves, so probes rotate through the batch."""
-    gate = DraftGate(_split(50, 5, 40), probe_every=2)
+    gate = DraftGate(_split(50, 5, 40), probe_every=2, max_probe_every=2)  # no back-off here
     ids = ["a", "b", "c", "d", "e"]
     assert gate.probe_size(5) == 2 and gate.probe_size(1) == 1
     assert gate.choose(ids) == [True, True, False, False, False]  # nothing recorded: learn from two

@@ -41,9 +41,15 @@ text turned predictable (code, a quotation) is noticed within
 4 x probe_every steps. Probing a quarter, not everyone, matters on a CPU: a
 request's first draft also projects all its context into the drafter
 (`DSparkDrafter.project_pending`), so a probe of all 16 requests at 16
-clients cost about half a decode step (docs/LOAD.md, run H). A drafter
-without a confidence head never yields a curve: the gate then drafts
-everyone, every step (the schedulers verify all its tokens).
+clients cost about half a decode step (docs/LOAD.md, run H). Even a quarter
+is not free, so when a probe's fresh curves show nothing worth drafting the
+next probe waits twice as long, up to `max_probe_every` steps (default
+4 x probe_every); as soon as drafting pays for anyone the interval is back to
+`probe_every`. Measured (docs/LOAD.md, run N): at 16 clients on this CPU no
+curve paid, and probing every 32 steps (3 % of the steps) cost about 3 % of
+throughput against no speculation. A drafter without a confidence head never
+yields a curve: the gate then drafts everyone, every step (the schedulers
+verify all its tokens).
 
 Free drafting: when one batched `propose` costs at most `free_fraction`
 (2 %) of a plain decode step, D(R) <= free_fraction x F(R), the gate drafts
@@ -77,9 +83,12 @@ class DraftGate:
     """Per step and request: draft (True) or decode plainly (False); see the module docstring."""
 
     def __init__(self, cost: SplitCost, probe_every: int = 32, history: int = 64, decay: float = 0.98,
-                 probe_fraction: float = 0.25, free_fraction: float = 0.02) -> None:
+                 probe_fraction: float = 0.25, free_fraction: float = 0.02, max_probe_every: int | None = None) -> None:
         if probe_every < 1 or history < 1:
             raise ValueError(f"probe_every and history must be >= 1, got {probe_every} and {history}")
+        max_probe_every = 4 * probe_every if max_probe_every is None else max_probe_every
+        if max_probe_every < probe_every:
+            raise ValueError(f"max_probe_every must be >= probe_every ({probe_every}), got {max_probe_every}")
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         if not 0.0 < probe_fraction <= 1.0:
@@ -88,6 +97,8 @@ class DraftGate:
             raise ValueError(f"free_fraction must be in [0, 1), got {free_fraction}")
         self.cost, self.probe_every, self.decay, self.probe_fraction = cost, probe_every, decay, probe_fraction
         self.free_fraction = free_fraction
+        self.max_probe_every = max_probe_every
+        self.probe_interval = probe_every  # steps between probes now: doubles while probes find nothing
         # accepted draft tokens realised vs predicted by the survival curves (decayed sums)
         self.realised = self.predicted = 0.0
         self.curves: dict[Hashable, list[float]] = {}  # request id -> survival curve of its last drafted round
@@ -100,13 +111,13 @@ class DraftGate:
 
     def choose(self, request_ids: Sequence[Hashable]) -> list[bool]:
         """Which of these requests draft this step (in order)."""
-        self.probed = False
-        chosen = self._choose(list(request_ids))
+        probed_before, self.probed = self.probed, False
+        chosen = self._choose(list(request_ids), probed_before)
         self.skipped = 0 if all(chosen) or self.probed else self.skipped + 1
         self.steps += 1
         return chosen
 
-    def _choose(self, ids: list[Hashable]) -> list[bool]:
+    def _choose(self, ids: list[Hashable], probed_before: bool = False) -> list[bool]:
         if not ids or self.blind or self.drafting_is_free(len(ids)):
             return [True] * len(ids)
         if not self.recent:  # no curve was ever seen: draft some requests to learn one
@@ -119,7 +130,11 @@ class DraftGate:
         ratio = self.acceptance_ratio()
         curves = [[min(1.0, a * ratio) for a in self.curves.get(i, proxy)] for i in ids]
         chosen = self.best_drafts(curves)
-        if self.skipped >= self.probe_every and not all(chosen):
+        if any(chosen):  # drafting pays for someone: probe at the base rate
+            self.probe_interval = self.probe_every
+        elif probed_before:  # the last step's probe brought fresh curves, and none pays: back off
+            self.probe_interval = min(self.max_probe_every, 2 * self.probe_interval)
+        if self.skipped >= self.probe_interval and not all(chosen):
             chosen = self._with_probes(ids, chosen)
         return chosen
 
