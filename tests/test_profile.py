@@ -151,6 +151,7 @@ def test_run_profile_prints_the_table_and_plots(tmp_path, capsys):
     table = run_profile(str(folder), "ngram", home=tmp_path / "home", block_size=3, settings=SMALL, out_png=png)
     out = capsys.readouterr().out
     assert "measured in" in out and "ms/step" in out and png.stat().st_size > 0
+    assert (tmp_path / "sps-forward.png").stat().st_size > 0 and "F(R, B) ms, R =" in out  # the grid
     from dspark.models.cpu_kernels import MAX_ROWS, ROW_GROUP, cpu_kernels_available
 
     # with the CPU kernel on, both sides of its row-group edges are measured as well

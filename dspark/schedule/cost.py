@@ -294,8 +294,8 @@ class ForwardGrid:
     A step of R requests verifying B tokens (R <= B <= R (1 + G)) reads R
     requests' contexts and runs attention in R ragged parts, so its time
     depends on R as well as on B. On this CPU a plain decode step of 16
-    requests (B = 16) took about 1.7x as long as 16 tokens split over 2
-    requests (docs/LOAD.md, "Limits"). A curve over B alone, measured on the
+    requests (B = 16) took 168 ms, 16 tokens split over 2 requests 147 ms
+    (docs/LOAD.md, run N). A curve over B alone, measured on the
     fewest requests, therefore makes a plain step of many requests look cheap
     and each extra verified token look dear.
 
