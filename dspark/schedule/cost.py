@@ -37,6 +37,15 @@ _GRID_FORMAT = "dspark-forward-grid"
 _VERSION = 1
 
 
+def _save_json(path: str | Path, data: dict) -> None:
+    """Write `data` as JSON to `path` through a temporary file: a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
 class CostKeyMismatch(UserError):
     """A cached cost table was measured for another model, drafter, machine or setting."""
 
@@ -190,11 +199,7 @@ class CostTable:
         }
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1))
-        tmp.replace(path)  # atomic: a reader never sees half a file
+        _save_json(path, self.to_json())
 
     @classmethod
     def from_json(cls, data: dict, source: str = "cost table") -> "CostTable":
@@ -354,11 +359,7 @@ class ForwardGrid:
                 "rows": {str(r): [[b, s] for b, s in t.points()] for r, t in self.rows.items()}}
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1))
-        tmp.replace(path)  # atomic: a reader never sees half a file
+        _save_json(path, self.to_json())
 
     @classmethod
     def from_json(cls, data: dict, source: str = "forward grid") -> "ForwardGrid":

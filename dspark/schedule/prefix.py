@@ -142,8 +142,8 @@ class PrefixScheduler:
             self.gate.record(requests)
         batch = _Batch.of(requests)
         cands = ranked_candidates(batch.survivals)
-        n = greedy_walk(cands, curve_for(self.cost, _drafted(requests), len(requests)), batch.base_tokens, len(requests),
-                        early_stop=True)
+        curve = curve_for(self.cost, _drafted(requests), len(requests))
+        n = greedy_walk(cands, curve, batch.base_tokens, len(requests), early_stop=True)
         return batch.lengths(cands[:n])
 
     def commit(self, outcomes: list[ScheduleOutcome]) -> None:
@@ -168,8 +168,8 @@ class RetrospectivePrefixScheduler(PrefixScheduler):
             return []
         batch = _Batch.of(requests)
         cands = ranked_candidates(batch.survivals)
-        n = greedy_walk(cands, curve_for(self.cost, _drafted(requests), len(requests)), batch.base_tokens, len(requests),
-                        early_stop=False)
+        curve = curve_for(self.cost, _drafted(requests), len(requests))
+        n = greedy_walk(cands, curve, batch.base_tokens, len(requests), early_stop=False)
         return batch.lengths(cands[:n])
 
 
@@ -257,8 +257,8 @@ class AsyncPrefixScheduler:
             else:
                 historical.append(by_id.get(q.request_id, proxy)[: q.num_drafted])
         cands = ranked_candidates(historical)
-        return greedy_walk(cands, curve_for(self.cost, _drafted(requests), len(requests)), len(requests) + pinned_tokens,
-                           len(requests), early_stop=False)
+        curve = curve_for(self.cost, _drafted(requests), len(requests))
+        return greedy_walk(cands, curve, len(requests) + pinned_tokens, len(requests), early_stop=False)
 
     def commit(self, outcomes: list[ScheduleOutcome]) -> None:
         """History is recorded in decide (it must not wait for verification); the draft gate
