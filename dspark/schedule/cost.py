@@ -435,10 +435,10 @@ class SplitCost:
             return self.forward.seconds_per_step(budget, requests)
         return self.forward.seconds_per_step(budget)
 
-    def seconds(self, budget: int, requests: int, drafted: int | bool | None = None) -> float:
+    def seconds(self, budget: int, requests: int, drafted: int | None = None) -> float:
         """Seconds of one step of `requests` requests verifying `budget` tokens, of which
-        `drafted` requests drafted (None or True: all of them; 0 or False: a plain step)."""
-        count = requests if drafted is None or drafted is True else int(drafted)
+        `drafted` requests drafted (None: all of them; 0 or False: a plain step)."""
+        count = requests if drafted is None else int(drafted)
         draft = self.draft.seconds_per_step(count) if count > 0 else 0.0
         return self.forward_seconds(budget, requests) + draft
 

@@ -117,7 +117,7 @@ class DraftGate:
         self.steps += 1
         return chosen
 
-    def _choose(self, ids: list[Hashable], probed_before: bool = False) -> list[bool]:
+    def _choose(self, ids: list[Hashable], probed_before: bool) -> list[bool]:
         if not ids or self.blind or self.drafting_is_free(len(ids)):
             return [True] * len(ids)
         if not self.recent:  # no curve was ever seen: draft some requests to learn one
