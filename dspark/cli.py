@@ -13,12 +13,19 @@ import sys
 from dspark.errors import UserError
 
 
-def _add_target_args(p: argparse.ArgumentParser) -> None:
+def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
     p.add_argument("--target", default=None, help="Hugging Face Llama-family model folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--home", default=None, help="dspark home folder for caches (default: $DSPARK_HOME or ~/.cache/dspark)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target weight dtype")
     p.add_argument("--no-cpu-kernel", dest="cpu_kernels", action="store_false",
                    help="compute small-row float32 matmuls with torch instead of dspark's C kernel")
+    if device:
+        _add_device_arg(p)
+
+
+def _add_device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto",
+                   help="auto (a CUDA GPU if torch sees one, else the CPU), cpu, cuda or cuda:N; the drafter follows the target")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -75,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--seed", type=int, default=0)
     pp.add_argument("--batch", type=int, default=16, help="requests generated at once")
     pp.add_argument("--target", default=None)
+    _add_device_arg(pp)
 
     t = sub.add_parser("train", help="train a drafter from a recipe in configs/ (resumes by default)")
     t.add_argument("config", help="recipe file, e.g. configs/dspark.toml")
@@ -121,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     bd.add_argument("--repeats", type=int, default=10)
     bd.add_argument("--max-new-tokens", type=int, default=128)
     bd.add_argument("--out", default=None, help="also write the report (Markdown) and its JSON here")
-    _add_target_args(bd)
+    _add_target_args(bd, device=False)  # a CPU benchmark against transformers
     bdr = bsub.add_parser("draft", help="drafting time per round against target verification")
     bdr.add_argument("--repeats", type=int, default=5)
     _add_target_args(bdr)
@@ -175,7 +183,8 @@ def cmd_generate(args) -> int:
         raise UserError("the prompt is empty: pass some text with --prompt")
     if args.block_size is not None and not (1 <= args.block_size <= 64):
         raise UserError(f"--block-size must be in 1..64, got {args.block_size}")
-    loaded = load_target(args.target, home=args.home, dtype=_dtype(args.dtype), cpu_kernels=args.cpu_kernels)
+    loaded = load_target(args.target, home=args.home, dtype=_dtype(args.dtype), cpu_kernels=args.cpu_kernels,
+                         device=args.device)
     if loaded.tokenizer is None:
         raise UserError(f"the target folder {loaded.path} has no tokenizer files; add them (tokenizer.json) to generate text")
     drafter = load_drafter(args.drafter, loaded.model, block_size=args.block_size, embedded=args.target is None)
@@ -219,8 +228,8 @@ def cmd_serve(args) -> int:
     )
     run_server(
         args.target, args.drafter, args.policy, args.host, args.port, args.api_key, home=args.home,
-        dtype=args.dtype, cpu_kernels=args.cpu_kernels, block_size=args.block_size, threshold=args.threshold,
-        engine_config=config,
+        dtype=args.dtype, cpu_kernels=args.cpu_kernels, device=args.device, block_size=args.block_size,
+        threshold=args.threshold, engine_config=config,
     )
     return 0
 
@@ -230,7 +239,7 @@ def cmd_profile(args) -> int:
 
     run_profile(
         args.target, args.drafter, home=args.home, dtype=args.dtype, cpu_kernels=args.cpu_kernels,
-        block_size=args.block_size, out_png=args.out, refresh=args.refresh,
+        device=args.device, block_size=args.block_size, out_png=args.out, refresh=args.refresh,
     )
     return 0
 
@@ -240,7 +249,7 @@ def cmd_prepare(args) -> int:
 
     run_prepare(
         args.prompts, args.out, args.target, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_p=args.top_p, seed=args.seed, limit=args.limit, batch=args.batch,
+        top_p=args.top_p, seed=args.seed, limit=args.limit, batch=args.batch, device=args.device,
     )
     return 0
 
@@ -290,7 +299,7 @@ def cmd_eval(args) -> int:
     run = run_eval(
         args.drafter, args.bench, limit=args.limit, temperature=args.temperature, block_size=args.block_size,
         max_new_tokens=args.max_new_tokens, seed=args.seed, target=args.target, home=args.home,
-        dtype=args.dtype, cpu_kernels=args.cpu_kernels, baseline=not args.no_baseline,
+        dtype=args.dtype, cpu_kernels=args.cpu_kernels, device=args.device, baseline=not args.no_baseline,
         results_dir=args.results or "runs/eval",
     )
     print(json.dumps(run.brief()) if args.json else format_eval(run))
@@ -313,7 +322,8 @@ def cmd_bench(args) -> int:
         from dspark.bench.draft import run_draft_bench
         from dspark.models import load_target
 
-        loaded = load_target(args.target, home=args.home, dtype=_dtype(args.dtype), cpu_kernels=args.cpu_kernels)
+        loaded = load_target(args.target, home=args.home, dtype=_dtype(args.dtype), cpu_kernels=args.cpu_kernels,
+                             device=args.device)
         run_draft_bench(loaded.model, repeats=args.repeats)
     elif args.bench == "serve":
         _bench_serve(args)
@@ -341,7 +351,7 @@ def _bench_serve(args) -> None:
         sampling=replace(SamplingSpec(), max_new_tokens=args.max_new_tokens),
     )
     run_load_bench(arms, settings, target=args.target, home=args.home, dtype=args.dtype, cpu_kernels=args.cpu_kernels,
-                   out_dir=args.out,
+                   device=args.device, out_dir=args.out,
                    command="dspark " + " ".join(sys.argv[1:]))
 
 

@@ -26,16 +26,21 @@ import torch
 from dspark.draft.dspark import DSparkDrafter
 from dspark.draft.factory import build_drafter, drafter_size
 from dspark.models.cpu_kernels import enable_drafter_cpu_kernels, has_cpu_kernels
+from dspark.models.device import synchronize
 from dspark.types import RaggedBatch, SamplingParams
 
 
-def _median_ms(step: Callable[[], object], repeats: int, warmup: int) -> float:
+def _median_ms(step: Callable[[], object], repeats: int, warmup: int, device: torch.device | None = None) -> float:
+    """Median wall-clock ms of `step` (synchronising a GPU before each reading of the clock)."""
+    device = device or torch.device("cpu")
     for _ in range(warmup):
         step()
     times = []
     for _ in range(repeats):
+        synchronize(device)
         t0 = time.perf_counter()
         step()
+        synchronize(device)
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
@@ -44,7 +49,7 @@ def _observed_states(drafter: DSparkDrafter, batch: int, context: int) -> list:
     gen = torch.Generator().manual_seed(0)
     t, d = len(drafter.tap_layers), drafter.target_config.hidden_size
     states = [drafter.new_state() for _ in range(batch)]
-    hidden = [torch.randn(context, t, d, generator=gen) for _ in range(batch)]
+    hidden = [torch.randn(context, t, d, generator=gen).to(drafter.device) for _ in range(batch)]
     tokens = [torch.zeros(context, dtype=torch.int64) for _ in range(batch)]
     drafter.observe(states, tokens, hidden)
     return states
@@ -53,36 +58,39 @@ def _observed_states(drafter: DSparkDrafter, batch: int, context: int) -> list:
 def _time_drafter(
     drafter: DSparkDrafter, batch: int, context: int, repeats: int, warmup: int, top_ks, vocab_sizes=()
 ) -> dict:
-    g = drafter.block_size
+    g, dev = drafter.block_size, drafter.device
     states = _observed_states(drafter, batch, context)
-    anchors = torch.arange(batch, dtype=torch.int64) + 20
+    anchors = torch.arange(batch, dtype=torch.int64, device=dev) + 20
     params = [SamplingParams(temperature=1.0)] * batch
     gens = [torch.Generator().manual_seed(i) for i in range(batch)]
-    temps = torch.ones(batch)
-    uniforms = torch.rand(batch, g)
+    temps = torch.ones(batch, device=dev)
+    uniforms = torch.rand(batch, g).to(dev)
     block = drafter.draft_block(states, anchors)
+
+    def median_ms(step: Callable[[], object]) -> float:
+        return _median_ms(step, repeats, warmup, dev)
 
     def sequential():
         tokens, _ = drafter.sample(block, anchors, temps, uniforms)
         drafter.confidences(block.hidden, anchors, tokens)
 
     row = {
-        "propose_ms": _median_ms(lambda: drafter.propose(states, anchors, params, gens), repeats, warmup),
-        "backbone_ms": _median_ms(lambda: drafter.draft_block(states, anchors), repeats, warmup),
-        "sequential_ms": _median_ms(sequential, repeats, warmup),
+        "propose_ms": median_ms(lambda: drafter.propose(states, anchors, params, gens)),
+        "backbone_ms": median_ms(lambda: drafter.draft_block(states, anchors)),
+        "sequential_ms": median_ms(sequential),
     }
     base_config = drafter.config
     for k in top_ks:
         drafter.config = dataclasses.replace(base_config, transition_top_k=k)
-        row[f"sequential_top{k}_ms"] = _median_ms(sequential, repeats, warmup)
+        row[f"sequential_top{k}_ms"] = median_ms(sequential)
     drafter.config = base_config
     ranking = torch.arange(drafter.target_config.vocab_size)  # which K tokens does not change the cost
     for k in vocab_sizes:
         drafter.set_draft_vocab(ranking, k)
-        row[f"propose_vocab{k}_ms"] = _median_ms(lambda: drafter.propose(states, anchors, params, gens), repeats, warmup)
+        row[f"propose_vocab{k}_ms"] = median_ms(lambda: drafter.propose(states, anchors, params, gens))
     drafter.set_draft_vocab(None, 0)
     accepted = g // 2 + 1
-    new_hidden = [torch.randn(accepted, len(drafter.tap_layers), drafter.target_config.hidden_size)] * batch
+    new_hidden = [torch.randn(accepted, len(drafter.tap_layers), drafter.target_config.hidden_size).to(dev)] * batch
     new_tokens = [torch.zeros(accepted, dtype=torch.int64)] * batch
 
     def observe():  # buffer, then one batched projection (as the next propose does), then roll back
@@ -91,7 +99,7 @@ def _time_drafter(
         for s in states:
             drafter.truncate(s, context)
 
-    row["observe_ms"] = _median_ms(observe, repeats, warmup)
+    row["observe_ms"] = median_ms(observe)
     row["sequential_share"] = row["sequential_ms"] / row["propose_ms"]
     return row
 
@@ -114,7 +122,7 @@ def _time_verify(target, batch: int, new_tokens: int, context: int, taps, repeat
         for slot in slots:
             cache.truncate(slot, context)
 
-    return _median_ms(step, repeats, warmup)
+    return _median_ms(step, repeats, warmup, target.device)
 
 
 def run_draft_bench(

@@ -284,8 +284,8 @@ def _check_arms(arms: Sequence[Arm]) -> None:
         raise UserError("mix of HTTP arms (URL) and in-process arms: benchmark one kind per run")
 
 
-def _backend(runnable: list[Arm], prompts, settings: LoadSettings, *, target, home, dtype, cpu_kernels, loaded,
-             engine_config, profile, api_key):
+def _backend(runnable: list[Arm], prompts, settings: LoadSettings, *, target, home, dtype, cpu_kernels, device,
+             loaded, engine_config, profile, api_key):
     if not runnable or runnable[0].url is not None:
         return HttpBackend(api_key)
     if loaded is None:
@@ -295,7 +295,7 @@ def _backend(runnable: list[Arm], prompts, settings: LoadSettings, *, target, ho
 
         if dtype not in ("float32", "bfloat16"):
             raise UserError(f"unknown dtype {dtype!r}; use float32 or bfloat16")
-        loaded = load_target(target, home=home, dtype=getattr(torch, dtype), cpu_kernels=cpu_kernels)
+        loaded = load_target(target, home=home, dtype=getattr(torch, dtype), cpu_kernels=cpu_kernels, device=device)
     max_running = max(list(settings.concurrency) + [16 if settings.rates else 1])
     return InProcessBackend(loaded, prompts, settings.sampling, max_running, embedded=target is None,
                             engine_config=engine_config, profile=profile, home=home)
@@ -309,6 +309,7 @@ def run_load_bench(
     home: str | Path | None = None,
     dtype: str = "float32",
     cpu_kernels: bool = True,
+    device: str = "cpu",
     loaded=None,
     engine_config=None,
     profile=None,
@@ -335,8 +336,7 @@ def run_load_bench(
     prompts = load_prompts(settings.bench, settings.max_prompt_chars, settings.seed)
     started, env_before = time.perf_counter(), environment()
     backend = _backend(runnable, prompts, settings, target=target, home=home, dtype=dtype, cpu_kernels=cpu_kernels,
-                       loaded=loaded,
-                       engine_config=engine_config, profile=profile, api_key=api_key)
+                       device=device, loaded=loaded, engine_config=engine_config, profile=profile, api_key=api_key)
     total = settings.repeats * len(runnable) * sum(settings.num_requests(p, lv) for p, lv in settings.levels())
     with tqdm(total=total, desc="load", unit="req", disable=not progress) as bar:
         run = _Run(settings, prompts, backend, bar, deadline=started + settings.max_seconds)

@@ -72,8 +72,8 @@ class Engine:
         self.eos_ids = set(target.config.eos_token_ids)
         max_seq = min(config.max_seq_len, target.config.max_position_embeddings)
         self.max_seq_len = max_seq
-        dtype = kv_dtype or next(target.parameters()).dtype
-        self.kv = KVCache(target.config, config.max_running, max_seq, dtype)
+        weight = next(target.parameters())
+        self.kv = KVCache(target.config, config.max_running, max_seq, kv_dtype or weight.dtype, device=weight.device)
         limits = BatchLimits(
             max_running=config.max_running,
             kv_budget_tokens=config.kv_budget_tokens,
@@ -185,14 +185,14 @@ class Engine:
     def _schedule(self, decoding: list[Request], proposal: DraftProposal) -> list[int]:
         if not decoding:
             return []
-        conf = proposal.confidences
+        conf = None if proposal.confidences is None else proposal.confidences.tolist()
+        drafted = proposal.num_drafted.tolist()
         requests = [
             ScheduleRequest(
                 request_id=req.request_id,
-                num_drafted=int(proposal.num_drafted[i]),
+                num_drafted=drafted[i],
                 # None for a request that did not draft this step: unknown, not "no tokens survive"
-                confidences=None if conf is None or int(proposal.num_drafted[i]) == 0
-                else [float(c) for c in conf[i, : int(proposal.num_drafted[i])]],
+                confidences=None if conf is None or drafted[i] == 0 else conf[i][: drafted[i]],
             )
             for i, req in enumerate(decoding)
         ]

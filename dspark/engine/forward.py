@@ -89,11 +89,12 @@ def build_step_batch(
             logits_rows.append(len(tokens) - 1)
             entry_rows.append(("empty", -1))
         segments.append(seg)
+    drafted = proposal.draft_tokens.tolist() if plan.decode else []  # one copy (from a GPU: one sync)
     for i, req in enumerate(plan.decode):
         l = verify_lens[i]
         seg = Segment("decode", req, req.num_computed, l + 1, len(tokens), len(entry_rows), l)
         tokens.append(req.anchor)
-        tokens.extend(int(t) for t in proposal.draft_tokens[i, :l])
+        tokens.extend(drafted[i][:l])
         logits_rows.extend(range(seg.row_start, seg.row_start + l + 1))
         entry_rows.append(("draft", i))
         segments.append(seg)

@@ -38,6 +38,7 @@ import torch
 
 from dspark.errors import UserError
 from dspark.models.cpu_kernels import MAX_ROWS, ROW_GROUP, has_cpu_kernels
+from dspark.models.device import synchronize
 from dspark.schedule import CostKey, CostTable, budget_grid, profile_points, settings_fingerprint
 from dspark.schedule.cost import ForwardGrid, SplitCost
 from dspark.types import RaggedBatch, SamplingParams
@@ -231,8 +232,9 @@ class StepBench:
         self.target, self.drafter, self.settings = target, drafter, settings
         self.context_len = settings.context_len
         count, block = settings.max_requests, drafter.block_size
-        dtype = next(target.parameters()).dtype
-        self.cache = KVCache(target.config, count, self.context_len + block + 1, dtype)
+        weight = next(target.parameters())
+        self.device = weight.device
+        self.cache = KVCache(target.config, count, self.context_len + block + 1, weight.dtype, device=weight.device)
         self.slots = [self.cache.allocate() for _ in range(count)]
         context = torch.tensor(context_ids[: self.context_len], dtype=torch.int64)  # [L]
         anchor, taps = self._prefill(context)
@@ -264,8 +266,10 @@ class StepBench:
     @torch.no_grad()
     def propose_seconds(self, count: int) -> float:
         """Time one batched propose for `count` requests (the drafting part of a step)."""
+        synchronize(self.device)
         start = time.perf_counter()
         self._propose(count)
+        synchronize(self.device)
         return time.perf_counter() - start
 
     @torch.no_grad()
@@ -273,9 +277,11 @@ class StepBench:
         """Time one synthetic step: propose for len(query_lens) requests, verify their tokens.
         `include_propose=False` times the target forward alone (the propose still runs, untimed)."""
         count = len(query_lens)
+        synchronize(self.device)
         start = time.perf_counter()
         proposal = self._propose(count)
         if not include_propose:
+            synchronize(self.device)
             start = time.perf_counter()
         tokens: list[int] = []
         for r, q in enumerate(query_lens):
@@ -285,6 +291,7 @@ class StepBench:
         self.target.forward(
             batch, self.cache, logits_rows=torch.arange(len(tokens)), tap_layers=self.drafter.tap_layers
         )
+        synchronize(self.device)
         seconds = time.perf_counter() - start
         for slot in self.slots[:count]:
             self.cache.truncate(slot, self.context_len)  # roll back to the context
@@ -464,6 +471,7 @@ def run_profile(
     home: str | Path | None = None,
     dtype: str = "float32",
     cpu_kernels: bool = True,
+    device: str = "cpu",
     block_size: int | None = None,
     settings: ProfileSettings = ProfileSettings(),
     out_png: str | Path | None = None,
@@ -477,7 +485,7 @@ def run_profile(
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
     if torch_dtype is None:
         raise UserError(f"unknown dtype {dtype!r}; use float32 or bfloat16")
-    loaded = load_target(target_path, home=home, dtype=torch_dtype, cpu_kernels=cpu_kernels)
+    loaded = load_target(target_path, home=home, dtype=torch_dtype, cpu_kernels=cpu_kernels, device=device)
     drafter = load_drafter(drafter_spec, loaded.model, block_size=block_size, embedded=target_path is None)
     start = time.perf_counter()
     outcome = profile_engine(

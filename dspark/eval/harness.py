@@ -248,6 +248,7 @@ def run_eval(
     home: str | None = None,
     dtype: str = "float32",
     cpu_kernels: bool = True,
+    device: str = "cpu",
     baseline: bool = True,
     results_dir: str | Path | None = "runs/eval",
     progress: bool = True,
@@ -265,14 +266,14 @@ def run_eval(
     specs = parse_drafters(drafters, baseline)
     suites = load_suites(bench, limit)  # every file validated before any model work
     loaded = load_target(target, home=home, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype],
-                         cpu_kernels=cpu_kernels)
+                         cpu_kernels=cpu_kernels, device=device)
     built = [(drafter_label(s), s, load_drafter(s, loaded.model, block_size=block_size, embedded=target is None))
              for s in specs]  # a drafter for another target fails here, before generation
     settings = EvalSettings(benchmarks=tuple(suites), limit=limit, temperature=temperature, block_size=block_size,
                             max_new_tokens=max_new_tokens, seed=seed, target=loaded.name, dtype=dtype)
     runs = evaluate(loaded.model, loaded.tokenizer, built, suites, settings, progress)
     run = EvalRun(settings=settings, command=eval_command(specs, settings, target), drafters=runs,
-                  environment=environment())
+                  environment={**environment(), "device": str(loaded.model.device)})
     if results_dir is not None:
         run.saved_path = run.save(results_dir)
     return run

@@ -34,6 +34,7 @@ class KVCache:
         max_slots: int,
         max_seq_len: int,
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
         if max_slots < 1 or max_seq_len < 1:
             raise ValueError(f"KVCache needs max_slots >= 1 and max_seq_len >= 1, got {max_slots}, {max_seq_len}")
@@ -41,11 +42,12 @@ class KVCache:
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len
         self.dtype = dtype
+        self.device = torch.device(device)
         shape = (max_slots, config.num_key_value_heads, max_seq_len, config.head_dim)
         with torch.inference_mode(False):
             # keys[layer], values[layer]: [max_slots, kv_heads, max_seq_len, head_dim]
-            self.keys = [torch.empty(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
-            self.values = [torch.empty(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
+            self.keys = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
+            self.values = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
         self._lengths = [0] * max_slots
         # positions [0, _readable[slot]) of a slot hold finite values (written or zeroed):
         # attention reads a batch's slots up to the longest request, and masked
@@ -165,7 +167,8 @@ class KVCache:
         self.values[layer].view(-1, hd).index_copy_(0, flat_index, values)
 
     def flat_index(self, slots: list[int], starts: list[int], query_lens: list[int]) -> torch.Tensor:
-        """Flat write positions [N * kv_heads] for the new tokens, ordered (token, head)."""
+        """Flat write positions [N * kv_heads] for the new tokens, ordered (token, head), on the
+        CPU (the forward moves its plan to the cache's device in one go)."""
         kv_heads, s = self.config.num_key_value_heads, self.max_seq_len
         parts = []
         heads = torch.arange(kv_heads) * s

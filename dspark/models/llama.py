@@ -19,6 +19,7 @@ longest attended length.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.config import TargetConfig
+from dspark.models.device import same_device
 from dspark.models.kv_cache import KVCache
 from dspark.models.layers import RMSNorm, linear, project, rope_cos_sin
 from dspark.types import RaggedBatch, TargetOutput
@@ -253,6 +255,10 @@ class TargetModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
     def compute_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """LM head: last_hidden [..., D] (final-normed) -> logits [..., V] float32."""
         h = last_hidden.to(self.dtype)
@@ -263,8 +269,8 @@ class TargetModel(nn.Module):
         return logits.float().reshape(*h.shape[:-1], vocab)
 
     def new_cache(self, max_slots: int, max_seq_len: int) -> KVCache:
-        """A KV cache shaped for this model, in the model's dtype."""
-        return KVCache(self.config, max_slots, max_seq_len, dtype=self.dtype)
+        """A KV cache shaped for this model, in the model's dtype, on its device."""
+        return KVCache(self.config, max_slots, max_seq_len, dtype=self.dtype, device=self.device)
 
     @torch.no_grad()
     def forward(
@@ -287,8 +293,13 @@ class TargetModel(nn.Module):
         bad = [i for i in tap_layers if not 0 <= i < self.config.num_hidden_layers]
         if bad:
             raise ValueError(f"tap_layers {bad} out of range for {self.config.num_hidden_layers} decoder layers")
+        device = self.device
+        if not same_device(cache.device, device):
+            raise ValueError(f"the KV cache is on {cache.device} but the model on {device}; build it with new_cache()")
         plan = make_plan(batch, cache, self.config, self.dtype)
-        hidden = self.model.embed_tokens(batch.token_ids)  # [N, D]
+        hidden = self.model.embed_tokens(batch.token_ids.to(device))  # [N, D]
+        if logits_rows is not None:
+            logits_rows = logits_rows.to(device)
         taps: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             hidden = layer(hidden, plan, cache, i)
@@ -308,7 +319,8 @@ class TargetModel(nn.Module):
 
 
 def make_plan(batch: RaggedBatch, cache: KVCache, config: TargetConfig, dtype: torch.dtype) -> AttentionPlan:
-    """Positions, cache write indices and the attention layout of one ragged forward."""
+    """Positions, cache write indices and the attention layout of one ragged forward, built
+    on the CPU from the batch's Python lists and moved to the cache's device."""
     slots, qlens = batch.slots, batch.query_lens
     starts = cache.reserve(slots, qlens)
     positions = torch.cat([torch.arange(s, s + q) for s, q in zip(starts, qlens)])
@@ -328,7 +340,22 @@ def make_plan(batch: RaggedBatch, cache: KVCache, config: TargetConfig, dtype: t
             rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in members])
         parts.append(_make_part(rows, [slots[i] for i in members], [starts[i] for i in members],
                                 [qlens[i] for i in members], cache, group, dtype))
-    return AttentionPlan(write_index=write_index, cos=cos[:, None], signed_sin=signed_sin[:, None], parts=parts)
+    plan = AttentionPlan(write_index=write_index, cos=cos[:, None], signed_sin=signed_sin[:, None], parts=parts)
+    return _plan_to(plan, cache.device)
+
+
+def _plan_to(plan: AttentionPlan, device: torch.device) -> AttentionPlan:
+    """The plan with its tensors on `device` (a no-op on the CPU, where it was built)."""
+    if device.type == "cpu":
+        return plan
+
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device, non_blocking=True)
+
+    parts = [dataclasses.replace(p, rows=move(p.rows), mask=move(p.mask), scatter_rows=move(p.scatter_rows),
+                                 gather_slots=move(p.gather_slots)) for p in plan.parts]
+    return AttentionPlan(write_index=move(plan.write_index), cos=move(plan.cos), signed_sin=move(plan.signed_sin),
+                         parts=parts)
 
 
 def query_parts(qlens: list[int]) -> list[list[int]]:

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from dspark.errors import CheckpointError
 from dspark.models.config import TargetConfig
 from dspark.models.cpu_kernels import enable_cpu_kernels
+from dspark.models.device import resolve_device
 from dspark.models.embedded import ensure_embedded_target
 from dspark.models.llama import TargetModel
 
@@ -42,17 +43,23 @@ def load_target(
     home: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
     cpu_kernels: bool = True,
+    device: str | torch.device = "cpu",
 ) -> LoadedTarget:
     """Load a target folder; `path=None` loads the embedded SmolLM2 (converting it once).
 
-    cpu_kernels: give a float32 model the small-row CPU matmul kernel of
+    device: `cpu`, `cuda`, `cuda:N` or `auto` (a GPU if torch sees one). Drafters loaded
+    for the model follow it to its device.
+    cpu_kernels: on the CPU, give a float32 model the small-row matmul kernel of
     `dspark.models.cpu_kernels` (a packed copy of the weights: a fifth of their memory for the
-    embedded model, as much again for others). Pass False for a model that
-    will move to a GPU, or to run torch's own matmuls (the CLI's `--no-cpu-kernel`)."""
+    embedded model, as much again for others). Pass False to run torch's own matmuls (the
+    CLI's `--no-cpu-kernel`); on a GPU it does nothing."""
+    device = resolve_device(device)
     folder = ensure_embedded_target(home) if path is None else Path(path).expanduser()
     config = read_target_config(folder)
     model = load_target_model(folder, config, dtype)
-    if cpu_kernels:
+    if device.type != "cpu":
+        model = model.to(device)
+    elif cpu_kernels:
         enable_cpu_kernels(model)
     return LoadedTarget(model=model, tokenizer=load_tokenizer(folder), config=config, name=folder.name, path=folder)
 

@@ -37,6 +37,7 @@ def build_stack(
     home: str | None = None,
     dtype: str = "float32",
     cpu_kernels: bool = True,
+    device: str = "cpu",
     block_size: int | None = None,
     threshold: float = 0.5,
     engine_config: EngineConfig = EngineConfig(),
@@ -52,7 +53,7 @@ def build_stack(
 
     if dtype not in _DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
-    loaded = load_target(target, home=home, dtype=getattr(torch, dtype), cpu_kernels=cpu_kernels)
+    loaded = load_target(target, home=home, dtype=getattr(torch, dtype), cpu_kernels=cpu_kernels, device=device)
     if loaded.tokenizer is None:
         raise UserError(f"the target {loaded.path} has no tokenizer files; the server needs one to read prompts")
     draft = load_drafter(drafter, loaded.model, block_size=block_size, embedded=target is None)
@@ -89,6 +90,7 @@ def run_server(
     home: str | None = None,
     dtype: str = "float32",
     cpu_kernels: bool = True,
+    device: str = "cpu",
     block_size: int | None = None,
     threshold: float = 0.5,
     engine_config: EngineConfig = EngineConfig(),
@@ -100,8 +102,8 @@ def run_server(
 
     if not 0 <= port <= 65535:
         raise UserError(f"--port must be in 0..65535, got {port}")
-    stack = build_stack(target, drafter, policy, home=home, dtype=dtype, cpu_kernels=cpu_kernels, block_size=block_size,
-                        threshold=threshold, engine_config=engine_config)
+    stack = build_stack(target, drafter, policy, home=home, dtype=dtype, cpu_kernels=cpu_kernels, device=device,
+                        block_size=block_size, threshold=threshold, engine_config=engine_config)
     if not _is_loopback(host) and not api_key:
         print(f"[dspark] warning: serving on {host} without an API key; anyone who can reach it can use it",
               file=sys.stderr)
@@ -109,5 +111,6 @@ def run_server(
                      max_body_bytes=max_body_bytes)
     engine = stack.async_engine.engine
     print(f"[dspark] serving {stack.model_name} at http://{host}:{port}/v1 (drafter {engine.drafter.name}, "
-          f"G={engine.drafter.block_size}, policy {policy}, context {engine.max_seq_len})", file=sys.stderr)
+          f"G={engine.drafter.block_size}, policy {policy}, context {engine.max_seq_len}, "
+          f"on {engine.kv.device})", file=sys.stderr)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)

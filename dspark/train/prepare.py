@@ -315,11 +315,12 @@ def run_prepare(
     batch: int = 16,
     shard_size: int = 64,
     math_suffix: bool = True,
+    device: str = "cpu",
 ) -> dict:
-    """CLI entry: load the target, prepare the data, print a summary."""
+    """CLI entry: load the target (on `device`), prepare the data, print a summary."""
     from dspark.models.loading import load_target
 
-    target = load_target(target_path)
+    target = load_target(target_path, device=device)
     params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens)
     summary = prepare(prompts or DEFAULT_PROMPTS, out_dir, target, max_new_tokens=max_new_tokens, params=params,
                       limit=limit, eval_dir_for_overlap_check=eval_dir, batch=batch, shard_size=shard_size,
