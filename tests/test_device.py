@@ -9,7 +9,13 @@ On a machine with a CUDA GPU the engine itself runs there: the DSpark drafter
 and its baselines are greedy token-for-token equal to plain decoding on the GPU,
 and the engine's output follows the target distribution (Pearson chi-square,
 alpha = 1e-6 per case, 8,192 samples; see tests/test_engine_lossless.py), with
-the exact distribution enumerated on the CPU from the same weights.
+the exact distribution enumerated on the CPU from the same weights. On such a
+machine, from the repository root, with a CUDA build of torch and scipy:
+
+    PYTHONPATH=. python3 -m pytest -q tests/test_device.py tests/test_train_run.py
+
+(`dspark train` picks the GPU by itself whenever torch sees one, so the training
+tests then run there too.)
 """
 
 from __future__ import annotations
