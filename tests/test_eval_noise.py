@@ -81,3 +81,23 @@ def test_counts_round_trip_and_the_report_lists_intervals(tmp_path):
     assert "dflash-x (G=7)" in section and "dspark-x (G=7) / dflash-x (G=7)" in section
     ratio = next(line for line in section.splitlines() if line.startswith("| dspark-x (G=7) / dflash-x"))
     assert "1.05" in ratio.split("|")[3]
+
+
+def test_a_later_smaller_run_does_not_hide_the_comparable_pair(tmp_path):
+    """Run 1 has a and b on 3 prompts each; run 2 has b again on 2 prompts (other settings). Table 1
+    shows b's newest run, but the intervals keep run 1's b, so a / b is still listed."""
+    big = EvalSettings(tuple(BENCHMARKS), 3, 1.0, None, 64, 0, "tiny", "float32")
+    small = EvalSettings(tuple(BENCHMARKS), 2, 1.0, None, 64, 0, "tiny", "float32")
+    taus = _spread(3, 6)
+    a = _drafter("eagle3-x", {name: [1.1 * t for t in v] for name, v in taus.items()})
+    EvalRun(big, "dspark eval --drafter dspark-x,eagle3-x", [_drafter("dspark-x", taus), a],
+            created="2026-01-01T00:00:00").save(tmp_path / "runs")
+    EvalRun(small, "dspark eval --drafter dspark-x --limit 2", [_drafter("dspark-x", _spread(2, 7))],
+            created="2026-01-02T00:00:00").save(tmp_path / "runs")
+    text = run_report(tmp_path / "runs", tmp_path / "RESULTS.md", tmp_path / "fig").markdown.read_text()
+    table1 = text.split("## Table 1")[1].split("##")[0]
+    assert "| dspark-x | [2] |" in table1  # the newest run of each drafter
+    section = text.split("## How noisy are these numbers, temperature 1.0")[1]
+    assert "| dspark-x (G=7) | [1] |" in section and "| dspark-x (G=7) | [2] |" in section
+    ratio = next(line for line in section.splitlines() if line.startswith("| eagle3-x (G=7) / dspark-x (G=7)"))
+    assert "[1] / [1]" in ratio and float(ratio.split("|")[3].strip().rstrip("x")) == pytest.approx(1.1, abs=0.005)

@@ -53,17 +53,20 @@ class Report:
     left_out: list[str] = field(default_factory=list)  # one note per figure not drawn
 
 
-def latest_entries(runs: list[EvalRun], temperature: float) -> list[Entry]:
+def latest_entries(runs: list[EvalRun], temperature: float, per_settings: bool = False) -> list[Entry]:
     """The newest result of each (drafter label, block size) among runs at
-    `temperature`, in run order, then each run's drafter order."""
-    chosen: dict[tuple[str, int], Entry] = {}
-    order: dict[tuple[str, int], tuple[int, int]] = {}
+    `temperature`, in run order, then each run's drafter order. `per_settings`:
+    the newest of each under every evaluation setting (prompts, length, seed),
+    so that a later small run does not hide the comparable larger one."""
+    chosen: dict[tuple, Entry] = {}
+    order: dict[tuple, tuple[int, int]] = {}
     for number, run in enumerate(runs, start=1):
         if run.settings.temperature != temperature:
             continue
         for position, d in enumerate(run.drafters):
-            chosen[(d.label, d.block_size)] = Entry(number, run, d)
-            order[(d.label, d.block_size)] = (number, position)
+            key = (d.label, d.block_size) + ((repr(run.settings),) if per_settings else ())
+            chosen[key] = Entry(number, run, d)
+            order[key] = (number, position)
     return [chosen[key] for key in sorted(chosen, key=order.__getitem__)]
 
 
@@ -260,9 +263,9 @@ def _calibration(entries: list[Entry], temperature: float) -> str:
 
 
 def _noise(entries: list[Entry], temperature: float) -> str:
-    """Bootstrap intervals of each drafter's macro tau and of the ratio of every pair that answered
-    the same prompts with the same seeds (dspark.eval.noise); drafters from runs saved without
-    per-prompt counts are left out."""
+    """Bootstrap intervals of each drafter's macro tau (its newest run under each evaluation
+    setting) and of the ratio of every pair that answered the same prompts with the same seeds
+    (dspark.eval.noise); drafters from runs saved without per-prompt counts are left out."""
     from dspark.eval.noise import macro_interval, paired_ratio_interval
 
     with_counts = [(e, macro_interval(e.drafter)) for e in entries]
@@ -273,8 +276,9 @@ def _noise(entries: list[Entry], temperature: float) -> str:
     rows = [[e.name, f"[{e.number}]", f"{iv.point:.3f}", f"{iv.low:.3f} - {iv.high:.3f}"] for e, iv in with_counts]
     text = (f"## How noisy are these numbers, {label}\n\n"
             "95 % bootstrap intervals: prompts resampled within each benchmark (2000 resamples), each "
-            "benchmark's tau recomputed as committed tokens over rounds, then the macro average. Runs saved "
-            "before per-prompt counts were recorded are not listed.\n\n"
+            "benchmark's tau recomputed as committed tokens over rounds, then the macro average. Each drafter's "
+            "newest run under each evaluation setting is listed; runs saved before per-prompt counts were "
+            "recorded are not.\n\n"
             + render(["drafter", "run", "macro tau", "95 % interval"], rows, markdown=True))
     pairs = []
     for i, (a, _) in enumerate(with_counts):
@@ -318,9 +322,12 @@ def run_report(
     for build in (_fig2, _fig4, _fig5, _fig6):
         sections.append(build(main, fig_dir, report_cmd, report))
     for entries, temperature in ((main, PAPER_TEMPERATURE), (greedy, 0.0)):
-        for table in (_calibration(entries, temperature), _noise(entries, temperature)):
-            if table:
-                sections.append(table)
+        table = _calibration(entries, temperature)
+        if table:
+            sections.append(table)
+        table = _noise(latest_entries(runs, temperature, per_settings=True), temperature)
+        if table:
+            sections.append(table)
     link = Path(os.path.relpath(fig_dir, out_md.parent or Path("."))).as_posix()
     out_md.parent.mkdir(parents=True, exist_ok=True)
     out_md.write_text("\n\n".join(sections).replace("{FIG}", link) + "\n")
