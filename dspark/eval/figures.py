@@ -24,10 +24,35 @@ def _plt():
     return plt
 
 
+FOOTER_LINE_INCHES = 0.11  # one 6-point monospace line of the commands footer
+
+
+def _distinct_lines(ax, count: int) -> None:
+    """Past matplotlib's 10 default colours, 20 colours and then dashed lines, so no two
+    of `count` series look alike."""
+    if count > 10:
+        from cycler import cycler
+
+        colors = [_plt().get_cmap("tab20")(i) for i in range(20)]
+        ax.set_prop_cycle(cycler(linestyle=["-", "--"]) * cycler(color=colors))
+
+
+def _legend(ax) -> None:
+    """A legend inside the panel for a few lines, beside it (right) for many, so it hides no data."""
+    if len(ax.get_legend_handles_labels()[0]) <= 6:
+        ax.legend(fontsize=8)
+    else:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+
+
 def _save(fig, path: Path, commands: list[str]) -> Path:
+    """Print the commands under the plot, in a strip the figure grows by, and write the PNG."""
     lines = [line for c in commands for line in textwrap.wrap(c, 170, subsequent_indent="    ")]
+    width, height = fig.get_size_inches()
+    footer = FOOTER_LINE_INCHES * len(lines) + 0.25
+    fig.set_size_inches(width, height + footer)
     fig.text(0.01, 0.005, "\n".join(lines), fontsize=6, family="monospace", va="bottom", ha="left", color="0.3")
-    fig.tight_layout(rect=(0, 0.04 + 0.025 * len(lines), 1, 1))
+    fig.tight_layout(rect=(0, footer / (height + footer), 1, 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -40,6 +65,7 @@ def conditional_acceptance(per_domain: dict[str, Series], path: Path, commands: 
     plt = _plt()
     fig, axes = plt.subplots(1, len(DOMAINS), figsize=(4.2 * len(DOMAINS), 3.6), squeeze=False)
     for ax, domain in zip(axes[0], DOMAINS):
+        _distinct_lines(ax, len(per_domain.get(domain, {})))
         for label, values in per_domain.get(domain, {}).items():
             xs = [k + 1 for k, v in enumerate(values) if v is not None]
             ys = [v for v in values if v is not None]
@@ -50,7 +76,7 @@ def conditional_acceptance(per_domain: dict[str, Series], path: Path, commands: 
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("P(accept k | 1..k-1 accepted)")
-    axes[0][-1].legend(fontsize=8)
+    _legend(axes[0][-1])
     return _save(fig, path, commands)
 
 
@@ -67,7 +93,7 @@ def tau_vs_block(per_domain: dict[str, dict[str, list[tuple[int, float]]]], path
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("acceptance length tau")
-    axes[0][-1].legend(fontsize=8)
+    _legend(axes[0][-1])
     return _save(fig, path, commands)
 
 
