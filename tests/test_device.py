@@ -32,6 +32,7 @@ from dspark.models.device import resolve_device, same_device
 from dspark.models.tiny import tiny_hf_folder, tiny_target
 from dspark.schedule import CostTable
 from dspark.types import RaggedBatch, SamplingParams
+from test_engine_lossless import LEARNED  # the learned drafters and the policy each is verified under
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA GPU on this machine")
@@ -129,13 +130,6 @@ def test_drafters_follow_the_target_device(kind, cfg):
 
 
 # ----------------------------------------------------------------- on a GPU
-LEARNED = [
-    ("dspark", {"block_size": 4, "markov_head_type": "vanilla", "markov_rank": 8}, "dspark"),
-    ("dspark", {"block_size": 4, "markov_head_type": "rnn", "markov_rank": 8}, "dspark-async"),
-    ("dflash", {"block_size": 4}, "fixed"),
-    ("eagle3", {"block_size": 4}, "fixed"),
-    ("mtp", {}, "fixed"),
-]
 COST = CostTable({1: 0.010, 512: 0.020, 1024: 0.024, 1536: 0.040, 4096: 0.300})
 
 
@@ -174,8 +168,7 @@ def test_sampled_output_follows_the_target_on_cuda(kind, cfg, policy):
     torch.backends.cuda.matmul.allow_tf32 = False
     cpu_target = _flat_target()
     target = copy.deepcopy(cpu_target).to("cuda")
-    drafter = build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, seed=3,
-                            **{**cfg, "block_size": 3})
+    drafter = build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, seed=3, **cfg)
     params = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True)
     samples = _engine_samples(target, drafter, policy, params, num_samples=8192)
     result = chi_square(samples, _exact_joint(cpu_target, params), VOCAB)
