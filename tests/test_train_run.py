@@ -15,7 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 from dspark.draft.checkpoint import load_drafter_folder
+from dspark.draft.factory import make_drafter
 from dspark.errors import UserError
+from dspark.models.config import TargetConfig
 from dspark.models.loading import load_target
 from dspark.models.tiny import tiny_hf_folder
 from dspark.train.config import config_from_dict, load_config
@@ -30,6 +32,27 @@ def test_shipped_recipes_load_and_share_one_budget():
     assert {c.drafter.kind for c in cfgs.values()} == set(cfgs)
     assert len({(c.data.dir, c.optim.total_steps, c.optim.global_batch, c.optim.anchors_per_seq) for c in cfgs.values()}) == 1
     assert all(c.drafter.block_size == 7 for k, c in cfgs.items() if k != "mtp")
+
+
+# SmolLM2-135M-Instruct's shape, the target every recipe in configs/ names ("" = the embedded model)
+SMOLLM2_135M = TargetConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                            num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.stem)
+def test_every_recipe_builds_its_drafter(path):
+    """Each recipe's [drafter] section is valid for the embedded target (options are checked only when a
+    drafter is built, which a typo would otherwise reach after the feature cache and target load), and a
+    recipe reading a feature cache names the layers its drafter taps. Built on the meta device: no weights."""
+    cfg = load_config(path)
+    assert cfg.target.path == ""
+    v, d = SMOLLM2_135M.vocab_size, SMOLLM2_135M.hidden_size
+    with torch.device("meta"):
+        drafter = make_drafter(cfg.drafter.kind, SMOLLM2_135M, torch.empty(v, d), torch.empty(v, d),
+                               {**cfg.drafter.options, "block_size": cfg.drafter.block_size})
+    assert drafter.block_size == cfg.drafter.block_size
+    if cfg.features.mode == "cache" and cfg.features.cache_tap_layers:
+        assert set(drafter.tap_layers) <= set(cfg.features.cache_tap_layers)
 
 
 def test_config_rejects_unknown_and_out_of_range_keys(tmp_path):
