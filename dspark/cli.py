@@ -109,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     dv.add_argument("--holdout-fraction", type=float, default=0.02)
     dv.add_argument("--no-write", action="store_true", help="report the coverage only")
 
-    e = sub.add_parser("eval", help="acceptance length on the paper's benchmarks (or: dspark eval report)")
+    e = sub.add_parser("eval", help="acceptance length on the paper's benchmarks (or: dspark eval report | offline)")
     e.add_argument("--drafter", default="ngram", help="PATH[,PATH...] or none/ngram/default; 'report' rebuilds docs")
     e.add_argument("--bench", default="all", help="all | math | code | chat | gsm8k,mbpp,...")
     e.add_argument("--limit", type=int, default=None, help="prompts per benchmark")
@@ -120,7 +120,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--results", default=None, help="run JSON folder (eval default runs/eval; report default docs/eval-runs)")
     e.add_argument("--no-baseline", action="store_true", help="skip the --drafter none speed baseline")
     e.add_argument("--json", action="store_true")
-    e.add_argument("report", nargs="?", help="'report': rebuild docs/RESULTS.md and figures from saved runs")
+    e.add_argument("--top-p", type=float, default=1.0, help="offline: top-p of the target's answers")
+    e.add_argument("--answers", default="runs/bench-answers", help="offline: folder caching the target's answers")
+    e.add_argument("--no-heldout", action="store_true", help="offline: skip the held-out training prompts")
+    e.add_argument("report", nargs="?", help="'report': rebuild docs/RESULTS.md and figures from saved runs; "
+                   "'offline': expected tau of drafters on the target's own answers (no draws)")
     _add_target_args(e)
 
     b = sub.add_parser("bench", help="benchmarks that print numbers")
@@ -286,9 +290,21 @@ def cmd_draft_vocab(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    if args.report == "offline":
+        from dspark.eval.offline import run_offline
+
+        _, page = run_offline(
+            args.drafter, args.bench, limit=12 if args.limit is None else args.limit, temperature=args.temperature,
+            top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, heldout=not args.no_heldout,
+            target=args.target, home=args.home, device=args.device, answers_root=args.answers,
+            results_dir=args.results or "runs/offline",
+        )
+        print(page.read_text())
+        print(f"written: {page} (and .json, .png)")
+        return 0
     if args.report is not None:
         if args.report != "report":
-            raise UserError(f"unknown eval action {args.report!r}: use 'dspark eval report'")
+            raise UserError(f"unknown eval action {args.report!r}: use 'dspark eval report' or 'dspark eval offline'")
         from dspark.eval.report import run_report
 
         run_report(args.results or "docs/eval-runs", "docs/RESULTS.md", "docs/figures")

@@ -94,6 +94,26 @@ def macro_interval(drafter: DrafterRun, *, resamples: int = 2000, level: float =
     return _interval(point, _resampled_macro(counts, _draws(counts, resamples, seed)), level)
 
 
+def macro_from_counts(counts: dict[str, tuple[list[str], torch.Tensor, torch.Tensor]]) -> float:
+    """Macro tau of per-prompt counts: benchmark -> (prompt ids, rounds [n], committed [n])."""
+    return float(_resampled_macro(counts, _identity(counts))[0])
+
+
+def paired_ratio_from_counts(
+    a: dict[str, tuple[list[str], torch.Tensor, torch.Tensor]],
+    b: dict[str, tuple[list[str], torch.Tensor, torch.Tensor]],
+    *, resamples: int = 2000, level: float = 0.95, seed: int = 0,
+) -> Interval | None:
+    """Bootstrap interval of macro tau(a) / macro tau(b) from per-prompt counts, the same prompts
+    drawn for both; None unless both cover the same benchmarks and prompt ids."""
+    _check(level, resamples)
+    if not a or not b or sorted(a) != sorted(b) or any(a[n][0] != b[n][0] for n in a):
+        return None
+    point = macro_from_counts(a) / macro_from_counts(b)
+    draws = _draws(a, resamples, seed)
+    return _interval(point, _resampled_macro(a, draws) / _resampled_macro(b, draws), level)
+
+
 def paired_ratio_interval(
     numerator: DrafterRun, denominator: DrafterRun, *, resamples: int = 2000, level: float = 0.95, seed: int = 0
 ) -> Interval | None:
@@ -101,8 +121,6 @@ def paired_ratio_interval(
     for both. None unless both have per-prompt counts for the same benchmarks and prompt ids."""
     _check(level, resamples)
     a, b = _counts(numerator), _counts(denominator)
-    if a is None or b is None or sorted(a) != sorted(b) or any(a[n][0] != b[n][0] for n in a):
+    if a is None or b is None:
         return None
-    point = float(_resampled_macro(a, _identity(a))[0] / _resampled_macro(b, _identity(b))[0])
-    draws = _draws(a, resamples, seed)
-    return _interval(point, _resampled_macro(a, draws) / _resampled_macro(b, draws), level)
+    return paired_ratio_from_counts(a, b, resamples=resamples, level=level, seed=seed)

@@ -1,0 +1,166 @@
+"""`dspark eval offline`: expected acceptance on the target's own answers.
+
+The batched all-anchor scorer matches a one-block-at-a-time recomputation
+(draft vocabulary included); answers and scores are cached and reused, a
+higher --limit generates only the new prompts; two copies of one drafter are
+paired at exactly 1x; bad input is refused before any model work."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import dspark.engine.generate
+import dspark.models
+from dspark.draft.checkpoint import save_drafter
+from dspark.draft.factory import build_drafter
+from dspark.errors import UserError
+from dspark.eval import offline
+from dspark.eval.offline import OfflineRun, run_offline, score_drafter
+from dspark.types import RaggedBatch
+from dspark.models.tiny import tiny_target
+from dspark.train.data import SequenceStore
+from tests.test_train_prepare import FakeTokenizer
+from tests.train_toys import write_toy_data
+
+
+def _drafter(kind: str, target, block_size: int = 4):
+    options = {"dspark": dict(num_hidden_layers=1, markov_rank=8), "eagle3": {}, "dflash": dict(num_hidden_layers=1)}
+    return build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, seed=3,
+                         block_size=block_size, **options[kind]).eval()
+
+
+@torch.no_grad()
+def _one_block_at_a_time(drafter, target, store, index):
+    """(full blocks, tau sum, c* sums per position) of one sequence, each block drafted alone."""
+    tokens, mask = store.get(index)
+    n, g = tokens.numel(), drafter.block_size
+    cache = target.new_cache(1, n)
+    out = target.forward(RaggedBatch(tokens, [cache.allocate()], [n]), cache, tap_layers=drafter.tap_layers)
+    blocks, tau, acc = 0, 0.0, [0.0] * g
+    for p in range(n - g):
+        if not bool(mask[p + 1 : p + 1 + g].all()):
+            continue
+        logits = drafter.forward_train(out.tapped_hidden[None], tokens[None], torch.tensor([[p]])).logits[0, 0].float()
+        if drafter.draft_ids is not None:
+            outside = torch.ones(logits.shape[-1], dtype=torch.bool)
+            outside[drafter.draft_ids] = False
+            logits[:, outside] = float("-inf")
+        c = 1.0 - 0.5 * (torch.softmax(logits, -1) - torch.softmax(out.logits[p : p + g].float(), -1)).abs().sum(-1)
+        blocks += 1
+        tau += 1.0 + float(torch.cumprod(c.double(), 0).sum())
+        acc = [a + float(x) for a, x in zip(acc, c)]
+    return blocks, tau, acc
+
+
+@pytest.mark.parametrize("kind,vocab", [("dspark", None), ("dspark", 40), ("eagle3", None), ("dflash", 30)])
+def test_batched_scoring_matches_one_block_at_a_time(tmp_path, kind, vocab):
+    target = tiny_target(seed=0)
+    store = SequenceStore(write_toy_data(tmp_path / "data", num=5))
+    drafter = _drafter(kind, target)
+    if vocab is not None:
+        drafter.set_draft_vocab(torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(1)), vocab)
+    got = score_drafter(drafter, target, store, [0, 1, 2, 3, 4], batch_size=2, progress=False)
+    for i in range(5):
+        blocks, tau, acc = _one_block_at_a_time(drafter, target, store, i)
+        assert got[i].blocks == blocks > 0
+        assert got[i].tau_sum == pytest.approx(tau, rel=1e-4)
+        assert got[i].accept_sum == pytest.approx(acc, rel=1e-4, abs=1e-5)
+        assert 1.0 <= got[i].tau_sum / blocks <= 1.0 + drafter.block_size
+
+
+class _Loaded:
+    def __init__(self) -> None:
+        self.model = tiny_target(seed=0, vocab_size=258)
+        self.tokenizer, self.config, self.name = FakeTokenizer(), self.model.config, "tiny"
+
+
+@pytest.fixture
+def tiny_world(monkeypatch, tmp_path):
+    loaded = _Loaded()
+    monkeypatch.setattr(dspark.models, "load_target", lambda *a, **k: loaded, raising=False)
+    a = save_drafter(_drafter("dspark", loaded.model), tmp_path / "dspark-a", dtype=torch.float32)
+    b = shutil.copytree(a, tmp_path / "dspark-b")
+    c = save_drafter(_drafter("eagle3", loaded.model), tmp_path / "eagle3-c", dtype=torch.float32)
+    return tmp_path, [str(a), str(b), str(c)]
+
+
+def _run(tmp_path, specs, limit=1):
+    return run_offline(",".join(specs), "gsm8k,mt-bench", limit=limit, max_new_tokens=12, answers_root=tmp_path / "ans",
+                       results_dir=tmp_path / "out", progress=False)
+
+
+def test_run_writes_page_and_reuses_answers_and_scores(tiny_world, monkeypatch):
+    tmp_path, specs = tiny_world
+    run, page = _run(tmp_path, specs)
+    assert run.prompts == {"gsm8k": 1, "mt-bench": 1, "heldout": 1}
+    a, b, c = run.drafters
+    for d in run.drafters:
+        for name in ("gsm8k", "mt-bench", "heldout"):
+            assert 1.0 <= d.tau(name) <= 5.0
+    assert [x.per_prompt for x in (a,)] == [b.per_prompt]  # a copy of one drafter scores the same
+    text = page.read_text()
+    assert "/ dspark-b: benchmarks 1.000x (1.000-1.000)" in text and "| eagle3-c |" in text
+    assert page.with_suffix(".png").is_file()
+    again = OfflineRun.from_dict(json.loads(page.with_suffix(".json").read_text()))
+    assert [d.macro() for d in again.drafters] == [d.macro() for d in run.drafters]
+
+    # a rerun generates nothing and scores nothing: both are cached
+    monkeypatch.setattr(dspark.engine.generate, "generate_many", lambda *a, **k: pytest.fail("generated again"))
+    monkeypatch.setattr(offline, "score_drafter", lambda *a, **k: pytest.fail("scored again"))
+    rerun, _ = _run(tmp_path, specs)
+    assert [d.per_prompt for d in rerun.drafters] == [d.per_prompt for d in run.drafters]
+
+
+def test_a_higher_limit_generates_only_the_new_prompts(tiny_world, monkeypatch):
+    tmp_path, specs = tiny_world
+    first, _ = _run(tmp_path, specs[:1], limit=1)
+    real, asked = dspark.engine.generate.generate_many, []
+
+    def counting(model, prompt_ids, params, **kw):
+        asked.append(len(prompt_ids))
+        return real(model, prompt_ids, params, **kw)
+
+    monkeypatch.setattr(dspark.engine.generate, "generate_many", counting)
+    second, _ = _run(tmp_path, specs[:1], limit=2)
+    assert sum(asked) == 4  # one new gsm8k and one new held-out prompt; mt-bench's two turns: two calls of one
+    assert second.prompts == {"gsm8k": 2, "mt-bench": 2, "heldout": 2}
+    for name, rows in first.drafters[0].per_prompt.items():  # the first prompts' answers were kept
+        for pid, counts in rows.items():
+            assert second.drafters[0].per_prompt[name][pid] == counts
+
+
+def test_bad_input_is_refused_before_model_work(tiny_world, monkeypatch):
+    tmp_path, specs = tiny_world
+    monkeypatch.setattr(dspark.models, "load_target", lambda *a, **k: pytest.fail("target loaded"), raising=False)
+    with pytest.raises(UserError, match="none and ngram have no distribution"):
+        run_offline("ngram", "gsm8k", limit=1, answers_root=tmp_path / "ans", results_dir=tmp_path / "out")
+    with pytest.raises(UserError, match="top-p"):
+        run_offline(specs[0], "gsm8k", top_p=0.0, answers_root=tmp_path / "ans", results_dir=tmp_path / "out")
+    with pytest.raises(UserError, match="unknown benchmark"):
+        run_offline(specs[0], "gsm9k", answers_root=tmp_path / "ans", results_dir=tmp_path / "out")
+
+
+def test_answers_of_other_settings_are_not_mixed(tiny_world):
+    tmp_path, specs = tiny_world
+    _run(tmp_path, specs[:1])
+    folder = next((tmp_path / "ans").iterdir())
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["target"] = "another"
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="another target or other sampling settings"):
+        _run(tmp_path, specs[:1])
+
+
+def test_cli_offline_errors_name_the_fix(capsys):
+    from dspark.cli import main
+
+    for argv, needle in ((["eval", "offline", "--drafter", "ngram"], "none and ngram have no distribution"),
+                         (["eval", "offline", "--drafter", "default", "--temperature", "0"], "temperature must be > 0"),
+                         (["eval", "offlin"], "use 'dspark eval report' or 'dspark eval offline'")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
