@@ -112,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="acceptance length on the paper's benchmarks (or: dspark eval report | offline)")
     e.add_argument("--drafter", default="ngram", help="PATH[,PATH...] or none/ngram/default; 'report' rebuilds docs")
     e.add_argument("--bench", default="all", help="all | math | code | chat | gsm8k,mbpp,...")
-    e.add_argument("--limit", type=int, default=None, help="prompts per benchmark")
+    e.add_argument("--limit", type=int, default=None, help="prompts per benchmark (offline: 12 unless given)")
     e.add_argument("--temperature", type=float, default=1.0)
     e.add_argument("--block-size", type=int, default=None)
     e.add_argument("--max-new-tokens", type=int, default=256)
