@@ -151,7 +151,7 @@ def test_answers_of_other_settings_are_not_mixed(tiny_world):
     meta = json.loads((folder / "meta.json").read_text())
     meta["target"] = "another"
     (folder / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(UserError, match="another target or other sampling settings"):
+    with pytest.raises(UserError, match=r"prepared with other settings \(target\)"):
         _run(tmp_path, specs[:1])
 
 

@@ -124,16 +124,13 @@ def ensure_answers(target, sets: dict[str, list], folder: Path, params: Sampling
     from tqdm import tqdm
 
     from dspark.engine.generate import generate_many
-    from dspark.train.data import SequenceStore, completed_ids, read_meta, write_meta, write_shard
-    from dspark.train.prepare import ChatFormatter, generate_answers
+    from dspark.train.data import SequenceStore, completed_ids, write_meta, write_shard
+    from dspark.train.prepare import ChatFormatter, check_meta, generate_answers
 
     folder.mkdir(parents=True, exist_ok=True)
     meta = {"target": target.name, "vocab_size": target.config.vocab_size,
             "sampling": {k: v for k, v in asdict(params).items() if k != "stop"}}
-    old = read_meta(folder)
-    if old and {k: old.get(k) for k in meta} != meta:
-        raise UserError(f"{folder} holds answers of another target or other sampling settings; "
-                        "pass another --answers folder")
+    check_meta(folder, meta)  # answers of another target or other sampling settings never mix
     write_meta(folder, meta)
     done = completed_ids(folder)
     eos = target.config.eos_token_ids[0] if target.config.eos_token_ids else None

@@ -219,7 +219,7 @@ def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
     return replace(params, seed=seed)
 
 
-def _check_meta(out_dir: Path, meta: dict) -> None:
+def check_meta(out_dir: Path, meta: dict) -> None:
     """Refuse to mix settings in one folder (a different `limit` is fine: it only
     says how many prompts of the same file to cover)."""
     meta = {k: v for k, v in meta.items() if k != "limit"}
@@ -261,7 +261,7 @@ def prepare(
     meta = {"target": target.name, "vocab_size": target.config.vocab_size, "eos_token_id": eos,
             "sampling": {k: v for k, v in asdict(params).items() if k != "stop"},
             "math_suffix": math_suffix, "prompts_sha256": _sha256(Path(prompts_jsonl)), "limit": limit}
-    _check_meta(out_dir, meta)
+    check_meta(out_dir, meta)
     write_meta(out_dir, meta)
     done = completed_ids(out_dir)
     todo = [(i, p) for i, p in enumerate(prompts) if p.id not in done]
