@@ -238,3 +238,61 @@ def test_snapshots_feed_the_budget_report(tmp_path):
     assert budget_main(["--out", "x.md"]) == 2 and budget_main(["--bogus"]) == 2
     fresh = _recipe(tmp_path / "fresh", "dflash", steps=2)  # never trained: nothing to evaluate
     assert budget_main(["--run", f"x={fresh}", "--out", str(tmp_path / "x.md")]) == 2
+
+
+def _init_recipe(tmp_path: Path, layer_ids: list[int], steps: int = 2, **options) -> Path:
+    recipe = _recipe(tmp_path, "dspark", steps=steps)
+    cfg = json.loads(recipe.read_text())
+    cfg["drafter"]["options"] = {"num_hidden_layers": len(layer_ids), "markov_rank": 8, **options}
+    cfg["drafter"]["init_from_target_layers"] = layer_ids
+    cfg["run"]["out_dir"] = str(tmp_path / "run-init")
+    recipe.write_text(json.dumps(cfg))
+    return recipe
+
+
+def test_init_from_target_layers_copies_then_trains_its_own_weights(tmp_path):
+    """Draft layer i starts as target layer ids[i] (every tensor), the copies are the
+    drafter's own (training leaves the target untouched), and a 2-step run ends near
+    the copied weights, not near a random draw."""
+    from dspark.draft.factory import build_drafter
+    from dspark.train.run import init_from_target_layers
+
+    target = load_target(str(tiny_hf_folder(tmp_path)))
+    model = target.model
+    ids = [len(model.model.layers) - 1, 0]
+    drafter = build_drafter("dspark", target.config, model.embed_tokens, model.lm_head_weight, block_size=3,
+                            num_hidden_layers=2, markov_rank=8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    init_from_target_layers(drafter, model, ids)
+    for draft_layer, i in zip(drafter.layers, ids):
+        source = model.model.layers[i].state_dict()
+        mine = draft_layer.state_dict()
+        assert set(mine) == set(source)
+        for k in mine:
+            assert torch.equal(mine[k], source[k]), k
+    with torch.no_grad():
+        for p in drafter.layers.parameters():
+            p.add_(1.0)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+    final = run_train(_init_recipe(tmp_path, ids))
+    trained = load_file(str(final / "model.safetensors"))
+    for j, i in enumerate(ids):
+        for name, value in model.model.layers[i].state_dict().items():
+            got = trained[f"layers.{j}.{name}"].float()
+            assert (got - value).abs().max() < 0.02, (j, name)  # 2 AdamW steps at lr 3e-3 move little
+    assert json.loads((final.parent / "train_config.json").read_text())["drafter"]["init_from_target_layers"] == ids
+
+
+def test_init_from_target_layers_refuses_what_it_cannot_copy(tmp_path):
+    with pytest.raises(UserError, match="dspark and dflash drafters only"):
+        config_from_dict({"drafter": {"kind": "eagle3", "init_from_target_layers": [1]}})
+    with pytest.raises(UserError, match="list of layer indices"):
+        config_from_dict({"drafter": {"init_from_target_layers": [-1]}})
+    with pytest.raises(UserError, match="one target layer per draft layer"):
+        run_train(_init_recipe(tmp_path, [0, 1], num_hidden_layers=1))
+    with pytest.raises(UserError, match="out of range"):
+        run_train(_init_recipe(tmp_path, [0, 99]))
+    with pytest.raises(UserError, match="intermediate_size = 0"):
+        run_train(_init_recipe(tmp_path, [0], intermediate_size=16))
+    assert not (tmp_path / "run-init" / "checkpoints").exists()  # refused before any training

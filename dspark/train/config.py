@@ -42,6 +42,9 @@ class DrafterSection:
     kind: str = "dspark"  # dspark | dflash | eagle3 | mtp
     block_size: int = 7  # G: draft tokens per block
     options: dict = field(default_factory=dict)  # extra keyword arguments of build_drafter
+    # target layers whose weights start the draft decoder layers, one per draft layer, in order
+    # (dspark and dflash only: their layers have the target's shape); () = random initialisation
+    init_from_target_layers: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,9 @@ def validate(cfg: TrainConfig) -> None:
     clash = sorted({"block_size", "seed"} & set(cfg.drafter.options))
     if clash:
         raise UserError(f"[drafter.options] may not set {', '.join(clash)}; use [drafter] block_size and [run] seed")
+    if cfg.drafter.init_from_target_layers and cfg.drafter.kind not in ("dspark", "dflash"):
+        raise UserError(f"[drafter] init_from_target_layers works for dspark and dflash drafters only (their "
+                        f"decoder layers have the target's shape); remove it for kind = {cfg.drafter.kind!r}")
     if cfg.drafter.block_size + 2 > cfg.data.max_seq_len:
         raise UserError("[data] max_seq_len must exceed [drafter] block_size + 1")
 

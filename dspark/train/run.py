@@ -88,6 +88,29 @@ def _features(cfg: TrainConfig, model, drafter, store, indices, target_name: str
     return CachedFeatures(model, folder, drafter.tap_layers)
 
 
+def init_from_target_layers(drafter, model, layer_ids) -> None:
+    """Start draft decoder layer i from a copy of target layer layer_ids[i]
+    (attention, MLP and both norms). The copies are the drafter's own
+    parameters: training changes them, the target stays as it was."""
+    layers = getattr(drafter, "layers", None)
+    target_layers = model.model.layers
+    if layers is None:
+        raise UserError("init_from_target_layers needs a drafter with decoder layers (dspark or dflash)")
+    if len(layer_ids) != len(layers):
+        raise UserError(f"init_from_target_layers names {len(layer_ids)} target layer(s) for a drafter with "
+                        f"{len(layers)} decoder layer(s); give one target layer per draft layer")
+    bad = [i for i in layer_ids if not 0 <= i < len(target_layers)]
+    if bad:
+        raise UserError(f"init_from_target_layers {bad} out of range: the target has layers 0..{len(target_layers) - 1}")
+    for draft_layer, i in zip(layers, layer_ids):
+        source = target_layers[i].state_dict()
+        mine = draft_layer.state_dict()
+        if set(source) != set(mine) or any(source[k].shape != mine[k].shape for k in mine):
+            raise UserError(f"draft layer and target layer {i} differ in shape ({len(mine)} vs {len(source)} tensors); "
+                            "init_from_target_layers needs [drafter.options] intermediate_size = 0 (the target's)")
+        draft_layer.load_state_dict(source)  # copies into the drafter's own tensors
+
+
 def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int | None = None) -> Path:
     """Train the drafter a recipe describes; return the folder of the final drafter."""
     from dspark.draft.checkpoint import save_drafter
@@ -105,6 +128,8 @@ def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int
     drafter = build_drafter(cfg.drafter.kind, target.config, model.embed_tokens, model.lm_head_weight,
                             seed=cfg.run.seed, final_norm_weight=INIT_NORM_SCALE * model.model.norm.weight,
                             **options).to(info.device)
+    if cfg.drafter.init_from_target_layers:
+        init_from_target_layers(drafter, model, cfg.drafter.init_from_target_layers)
     freeze_shared(drafter, model)
     out_dir = Path(cfg.run.out_dir)
     if info.rank == 0:
