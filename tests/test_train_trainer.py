@@ -168,3 +168,24 @@ def test_raising_total_steps_extends_a_finished_run(tmp_path, capsys):
         _trainer(_cfg(tmp_path / "r", data, total_steps=5)).fit()
     with pytest.raises(UserError, match=r"other settings \(optim\)"):
         _trainer(_cfg(tmp_path / "r", data, total_steps=8, lr=1e-2)).fit()
+
+
+def test_a_checkpoint_from_before_a_new_recipe_key_still_resumes(tmp_path):
+    """A checkpoint written before a recipe key existed (here [drafter] init_from_target_layers)
+    resumes: the missing key takes its default. A saved value that differs is still refused."""
+    from dspark.errors import UserError
+
+    data = write_toy_data(tmp_path / "data")
+    _trainer(_cfg(tmp_path / "r", data, total_steps=4)).fit()
+    ckpt_dir = tmp_path / "r" / "checkpoints"
+    state = ckpt_dir / (ckpt_dir / "latest").read_text().strip() / "trainer_state.json"
+    facts = json.loads(state.read_text())
+    del facts["config"]["drafter"]["init_from_target_layers"]
+    state.write_text(json.dumps(facts))
+    assert _trainer(_cfg(tmp_path / "r", data, total_steps=6)).fit()["step"] == 6
+    latest = ckpt_dir / (ckpt_dir / "latest").read_text().strip() / "trainer_state.json"
+    facts = json.loads(latest.read_text())
+    facts["config"]["loss"]["decay"] = 3.0
+    latest.write_text(json.dumps(facts))
+    with pytest.raises(UserError, match=r"other settings \(loss\)"):
+        _trainer(_cfg(tmp_path / "r", data, total_steps=8)).fit()

@@ -31,7 +31,7 @@ from dspark.draft.base import TrainableDrafter
 from dspark.errors import UserError
 from dspark.train import checkpoint as ckpt
 from dspark.train.anchors import make_batch, sample_seed
-from dspark.train.config import TrainConfig
+from dspark.train.config import TrainConfig, config_from_dict
 from dspark.train.data import SequenceStore
 from dspark.train.losses import AcceptanceStats, LossWeights, draft_loss, weight_normalizer
 
@@ -246,7 +246,8 @@ class Trainer:
             return False
         self.io.load_weights(self.drafter, folder / "drafter")
         facts = ckpt.load_trainer_state(folder, self.optimizer)
-        now, saved = self.cfg.to_dict(), facts["config"]
+        # read the saved recipe through today's schema: a key added since takes its default
+        now, saved = self.cfg.to_dict(), config_from_dict(facts["config"]).to_dict()
         # raising optim.total_steps extends a run (the LR then follows the longer schedule); any
         # other change would make the resumed run differ from the one its checkpoints came from
         saved_optim = {**saved.get("optim", {}), "total_steps": now["optim"]["total_steps"]}
