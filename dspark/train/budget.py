@@ -105,7 +105,7 @@ def plot_budget(results: dict[str, list[dict]], out_png: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_tau, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (ax_tau, ax_acc) = plt.subplots(1, 2, figsize=(12.5, 3.6))
     for label, rows in results.items():
         steps = [r["step"] for r in rows]
         line = ax_tau.plot(steps, [r["expected_accept_len"] for r in rows], marker="o", label=label)[0]
@@ -119,7 +119,9 @@ def plot_budget(results: dict[str, list[dict]], out_png: str | Path) -> Path:
     ax_acc.set(xlabel="training step", ylabel="acceptance (1 - TV)", title="held-out acceptance")
     for ax in (ax_tau, ax_acc):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    ax_tau.legend(fontsize=8)
+    # beside the axes: with three or more runs a legend inside covers the lower curves
+    ax_acc.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     return save_figure(fig, out_png)
 
 
