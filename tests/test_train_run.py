@@ -164,7 +164,7 @@ def _checkpoint_weights(out_dir: Path) -> dict:
 
 
 def test_two_process_data_parallel_matches_single(tmp_path):
-    """`torchrun` with 2 CPU ranks (gloo) running run_train, global batch 4 =
+    """`torchrun` with 2 CPU ranks (gloo) running `dspark train`, global batch 4 =
     2 x 2, against one process: float32 weights agree to 1e-5 (only the
     order of gradient sums differs) and the logged losses to 4 digits."""
     recipe = _recipe(tmp_path, steps=4)
@@ -173,10 +173,10 @@ def test_two_process_data_parallel_matches_single(tmp_path):
     cfg["run"]["out_dir"] = str(tmp_path / "ddp")
     ddp = tmp_path / "ddp.json"
     ddp.write_text(json.dumps(cfg))
-    script = tmp_path / "worker.py"
-    script.write_text(f"from dspark.train.run import run_train\nrun_train({str(ddp)!r})\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", str(script)]
+    # the command the training README gives: torchrun -m dspark.cli train RECIPE
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+           "-m", "dspark.cli", "train", str(ddp)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 rank(s)" in proc.stdout
