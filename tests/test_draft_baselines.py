@@ -86,13 +86,17 @@ def test_incremental_context_equals_recompute_also_after_truncation(kind, cfg):
     torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("vocab", [0, 20])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("kind,cfg", KINDS)
-def test_forward_train_matches_inference(kind, cfg, family):
+def test_forward_train_matches_inference(kind, cfg, family, vocab):
     """Training-time test with teacher-forced tokens equals drafting when the
-    sequence continues with the drafted tokens."""
+    sequence continues with the drafted tokens; with a draft vocabulary of K
+    tokens the training logits cover just those K."""
     target = _target(family)
     d = _drafter(target, kind, **cfg)
+    if vocab:
+        d.set_draft_vocab(torch.randperm(V, generator=torch.Generator().manual_seed(2)), vocab)
     g, t = d.block_size, len(d.tap_layers)
     s = 16
     gen = torch.Generator().manual_seed(8)
@@ -108,9 +112,12 @@ def test_forward_train_matches_inference(kind, cfg, family):
             ids[b, p + 1 : p + 1 + g] = prop.draft_tokens[0]
             proposals[b, a] = prop
     out = d.forward_train(hidden, ids, torch.tensor(anchors))
-    assert out.logits.shape == (2, 2, g, V) and out.confidence_logits is None
+    assert out.logits.shape == (2, 2, g, vocab or V) and out.confidence_logits is None
+    assert (out.vocab_ids is None) == (not vocab)
     for (b, a), prop in proposals.items():
-        torch.testing.assert_close(torch.softmax(out.logits[b, a], -1), prop.draft_probs[0], rtol=1e-4, atol=1e-5)
+        want = prop.draft_probs[0] if not vocab else prop.draft_probs[0][:, out.vocab_ids]
+        torch.testing.assert_close(torch.softmax(out.logits[b, a], -1), want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(torch.softmax(out.full_logits(V)[b, a], -1), prop.draft_probs[0], rtol=1e-4, atol=1e-5)
 
 
 def test_eagle3_unroll_feeds_its_own_hidden_state():

@@ -287,14 +287,18 @@ def test_batched_propose_equals_one_request_at_a_time():
         torch.testing.assert_close(one.draft_probs[0], together.draft_probs[r], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("vocab", [0, 30])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("head", HEADS)
-def test_forward_train_matches_inference(family, head):
+def test_forward_train_matches_inference(family, head, vocab):
     """Sample a block at inference, write it into the sequence as the
     continuation, and check forward_train's teacher-forced distributions and
-    confidences equal the ones the drafter sampled from."""
+    confidences equal the ones the drafter sampled from; with a draft
+    vocabulary of K tokens, over just those K."""
     target = _target(family)
     d = _drafter(target, head, enable_confidence_head=head != "none", confidence_head_with_markov=head != "none")
+    if vocab:
+        d.set_draft_vocab(torch.randperm(96, generator=torch.Generator().manual_seed(6)), vocab)
     s, anchors = 22, [[3, 12], [0, 9]]
     g = torch.Generator().manual_seed(4)
     hidden = torch.randn(2, s, len(d.tap_layers), 32, generator=g)
@@ -307,10 +311,11 @@ def test_forward_train_matches_inference(family, head):
             ids[b, p + 1 : p + 1 + G] = prop.draft_tokens[0]
             anchors[b][a] = (p, prop)
     out = d.forward_train(hidden, ids, torch.tensor([[p for p, _ in row] for row in anchors]))
-    assert out.logits.shape == (2, 2, G, 96)
+    assert out.logits.shape == (2, 2, G, vocab or 96)
     for b in range(2):
         for a, (p, prop) in enumerate(anchors[b]):
-            torch.testing.assert_close(torch.softmax(out.logits[b, a], -1), prop.draft_probs[0], rtol=1e-4, atol=1e-5)
+            want = prop.draft_probs[0] if not vocab else prop.draft_probs[0][:, out.vocab_ids]
+            torch.testing.assert_close(torch.softmax(out.logits[b, a], -1), want, rtol=1e-4, atol=1e-5)
             if head != "none":
                 torch.testing.assert_close(torch.sigmoid(out.confidence_logits[b, a]), prop.confidences[0], rtol=1e-4, atol=1e-5)
 

@@ -45,11 +45,14 @@ def _one_block_at_a_time(drafter, target, store, index):
         if not bool(mask[p + 1 : p + 1 + g].all()):
             continue
         logits = drafter.forward_train(out.tapped_hidden[None], tokens[None], torch.tensor([[p]])).logits[0, 0].float()
-        if drafter.draft_ids is not None:
-            outside = torch.ones(logits.shape[-1], dtype=torch.bool)
-            outside[drafter.draft_ids] = False
-            logits[:, outside] = float("-inf")
-        c = 1.0 - 0.5 * (torch.softmax(logits, -1) - torch.softmax(out.logits[p : p + g].float(), -1)).abs().sum(-1)
+        target_probs = torch.softmax(out.logits[p : p + g].float(), -1)
+        if drafter.draft_ids is not None:  # logits over the draft vocabulary: the target's mass elsewhere is lost
+            assert logits.shape[-1] == drafter.draft_ids.numel()
+            inside = target_probs[:, drafter.draft_ids]
+            l1 = (torch.softmax(logits, -1) - inside).abs().sum(-1) + (1.0 - inside.sum(-1))
+        else:
+            l1 = (torch.softmax(logits, -1) - target_probs).abs().sum(-1)
+        c = 1.0 - 0.5 * l1
         blocks += 1
         tau += 1.0 + float(torch.cumprod(c.double(), 0).sum())
         acc = [a + float(x) for a, x in zip(acc, c)]

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -132,3 +133,59 @@ def test_acceptance_stats_and_tau():
     assert summary["accept_per_position"] == [1.0, 1.0, 1.0]  # identical distributions accept surely
     assert summary["expected_accept_len"] == 4.0 and summary["blocks_full"] == 1
     assert summary["confidence_per_position"] is None  # no confidence head
+
+
+def _restricted_case(seed: int = 0, v: int = 50, k: int = 12):
+    gen = torch.Generator().manual_seed(seed)
+    b, a, g = 2, 3, 4
+    vocab_ids = torch.randperm(v, generator=gen)[:k].sort().values
+    draft_k = torch.randn(b, a, g, k, generator=gen, requires_grad=True)
+    target = torch.randn(b, a, g, v, generator=gen) * 2
+    labels = vocab_ids[torch.randint(0, k, (b, a, g), generator=gen)]
+    valid = torch.rand(b, a, g, generator=gen) > 0.2
+    conf = torch.randn(b, a, g, generator=gen)
+    return vocab_ids, draft_k, target, labels, valid, conf
+
+
+def test_draft_vocab_loss_is_the_full_loss_of_the_restricted_distribution():
+    """Logits over K draft tokens give exactly the loss (and gradients) of the whole-vocabulary
+    loss of the distribution that is zero outside them: its TV counts the target's mass there."""
+    vocab_ids, draft_k, target, labels, valid, conf = _restricted_case()
+    weights = LossWeights(a_ce=0.3, a_tv=0.7, a_conf=1.0)
+    restricted = draft_loss(draft_k, target, labels, valid, conf, weights, vocab_ids=vocab_ids)
+    restricted.total.backward()
+    grad_k = draft_k.grad.clone()
+
+    draft_k.grad = None
+    full = torch.full((*draft_k.shape[:-1], target.shape[-1]), float("-inf"))
+    full = full.index_copy(-1, vocab_ids, draft_k)
+    whole = draft_loss(full, target, labels, valid, conf, weights)
+    whole.total.backward()
+    for name in ("total", "ce", "tv", "conf"):
+        assert torch.allclose(getattr(restricted, name), getattr(whole, name), atol=1e-5), name
+    assert torch.allclose(restricted.soft_accept, whole.soft_accept, atol=1e-6)
+    assert torch.equal(restricted.top1_match, whole.top1_match)
+    assert torch.allclose(grad_k, draft_k.grad, atol=1e-6)
+    # the target's mass outside the K tokens is never accepted
+    outside = 1.0 - torch.softmax(target, -1)[..., vocab_ids].sum(-1)
+    assert bool((restricted.soft_accept <= 1.0 - 0.5 * outside + 1e-6).all())
+
+
+def test_draft_vocab_loss_skips_cross_entropy_of_tokens_it_cannot_draft():
+    vocab_ids, draft_k, target, labels, valid, conf = _restricted_case(seed=1)
+    valid = torch.ones_like(valid)
+    weights = LossWeights(a_ce=1.0, a_tv=0.0, a_conf=0.0)
+    base = draft_loss(draft_k, target, labels, valid, None, weights, vocab_ids=vocab_ids)
+    not_drafted = torch.tensor(sorted(set(range(target.shape[-1])) - set(vocab_ids.tolist())))
+    moved = labels.clone()
+    moved[0, 0, 0] = not_drafted[0]  # this label is now outside the draft vocabulary
+    out = draft_loss(draft_k, target, moved, valid, None, weights, vocab_ids=vocab_ids)
+    assert torch.isfinite(out.total)
+    logp = torch.log_softmax(draft_k.detach(), -1)
+    local = torch.searchsorted(vocab_ids, labels[0, 0, 0])
+    w = position_weights(4)[0]
+    assert out.ce == pytest.approx(float(base.ce) + float(w * logp[0, 0, 0, local]) / float(weight_normalizer(valid, 4)), abs=1e-5)
+    assert not bool(out.top1_match[0, 0, 0])
+    assert torch.equal(out.tv, base.tv)  # TV does not depend on the label
+    with pytest.raises(ValueError, match="do not match"):
+        draft_loss(draft_k, target, labels, valid, None, weights)  # K logits without their token ids

@@ -296,3 +296,56 @@ def test_init_from_target_layers_refuses_what_it_cannot_copy(tmp_path):
     with pytest.raises(UserError, match="intermediate_size = 0"):
         run_train(_init_recipe(tmp_path, [0], intermediate_size=16))
     assert not (tmp_path / "run-init" / "checkpoints").exists()  # refused before any training
+
+
+def _vocab_recipe(tmp_path: Path, kind: str, size: int, out: str, steps: int = 4) -> Path:
+    recipe = tmp_path / f"{kind}.json"
+    if not recipe.is_file():  # one toy data set and tiny target per test
+        _recipe(tmp_path, kind, steps=steps)
+    cfg = json.loads(recipe.read_text())
+    cfg["optim"]["total_steps"] = steps
+    cfg["drafter"]["draft_vocab_size"] = size
+    cfg["run"]["out_dir"] = str(tmp_path / out)
+    path = tmp_path / f"{out}.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_training_over_a_draft_vocabulary(tmp_path):
+    """[drafter] draft_vocab_size = K trains over the K most frequent answer tokens: the drafter
+    ships with that draft vocabulary, DSpark's Markov transition is zero for every other token
+    (so the checkpoint read over the whole vocabulary adds no bias there), and a run stopped
+    and resumed ends exactly where an uninterrupted one does."""
+    k = 24
+    whole = run_train(_vocab_recipe(tmp_path, "dspark", k, "run-k"))
+    target = load_target(str(tiny_hf_folder(tmp_path)))
+    drafter = load_drafter_folder(whole, target.model)
+    assert drafter.config.draft_vocab_size == k and drafter.draft_ids.numel() == k
+    assert set(drafter.draft_ids.tolist()) == set(drafter.draft_ranking[:k].tolist())
+    w2 = load_file(str(whole / "model.safetensors"))["markov_head.markov_w2.weight"].float()
+    outside = torch.ones(w2.shape[0], dtype=torch.bool)
+    outside[drafter.draft_ids] = False
+    assert bool((w2[outside] == 0).all()) and bool((w2[~outside] != 0).any())
+    held = json.loads((whole.parent / "summary.json").read_text())["heldout"]
+    assert held["expected_accept_len"] >= 1.0 and held["tv"] > 0
+
+    recipe_b = _vocab_recipe(tmp_path, "dspark", k, "run-k-b")
+    run_train(recipe_b, stop_at_step=2)
+    assert not (tmp_path / "run-k-b" / "drafter").exists()
+    resumed = load_drafter_folder(run_train(recipe_b), target.model).state_dict()
+    for name, value in drafter.state_dict().items():
+        assert torch.equal(value, resumed[name]), name
+
+    for kind in ("eagle3", "mtp"):
+        final = run_train(_vocab_recipe(tmp_path, kind, k, f"run-{kind}-k", steps=2))
+        assert load_drafter_folder(final, target.model).config.draft_vocab_size == k
+
+
+def test_draft_vocab_size_refusals(tmp_path):
+    with pytest.raises(UserError, match="may not set .*draft_vocab_size"):
+        config_from_dict({"drafter": {"options": {"draft_vocab_size": 8}}})
+    with pytest.raises(UserError, match="draft_vocab_size = -1 is out of range"):
+        config_from_dict({"drafter": {"draft_vocab_size": -1}})
+    with pytest.raises(UserError, match="not below the target's 96 tokens"):
+        run_train(_vocab_recipe(tmp_path, "dspark", 96, "run-all"))
+    assert not (tmp_path / "run-all" / "checkpoints").exists()

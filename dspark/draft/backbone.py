@@ -18,7 +18,7 @@ from torch import nn
 
 from dspark.draft.blocks import ContextKV, DraftDecoderLayer, LayerShape, attend
 from dspark.models.config import TargetConfig
-from dspark.models.layers import Linear, RMSNorm
+from dspark.models.layers import Linear, RMSNorm, linear
 
 
 class SharedVocab:
@@ -43,7 +43,8 @@ class SharedVocab:
         given its LM-head rows (rows [K, D])."""
         w = self.lm_head_weight if rows is None else rows
         flat = hidden.reshape(-1, hidden.shape[-1]).to(w.dtype)
-        return (w @ flat.T).T.float().reshape(*hidden.shape[:-1], w.shape[0])
+        # contiguous [N, V]: arg-max, softmax and their gradients over a transposed view run up to 10x slower
+        return linear(flat, w).float().reshape(*hidden.shape[:-1], w.shape[0])
 
 
 class ParallelBackbone(nn.Module):

@@ -96,9 +96,21 @@ class DraftTrainOutput:
     B sequences, A anchors per sequence, G block size, V vocabulary.
     """
 
-    def __init__(self, logits: torch.Tensor, confidence_logits: torch.Tensor | None) -> None:
-        self.logits = logits  # [B, A, G, V] float: draft logits (sequential bias included)
+    def __init__(
+        self, logits: torch.Tensor, confidence_logits: torch.Tensor | None, vocab_ids: torch.Tensor | None = None
+    ) -> None:
+        self.logits = logits  # [B, A, G, V] float: draft logits (sequential bias included), or [B, A, G, K]
         self.confidence_logits = confidence_logits  # [B, A, G] float, pre-sigmoid c_k; None if no head
+        # [K] sorted token ids the last axis of `logits` covers (a draft vocabulary); None: all V tokens
+        self.vocab_ids = vocab_ids
+
+    def full_logits(self, vocab_size: int) -> torch.Tensor:
+        """The logits over all V tokens: -inf outside a draft vocabulary (its tokens are never drafted)."""
+        if self.vocab_ids is None:
+            return self.logits
+        full = self.logits.new_full((*self.logits.shape[:-1], vocab_size), float("-inf"))
+        full[..., self.vocab_ids.to(self.logits.device)] = self.logits
+        return full
 
 
 class TrainableDrafter(Drafter):

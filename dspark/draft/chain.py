@@ -78,9 +78,6 @@ class ChainDrafter(DraftVocabMixin, nn.Module, TrainableDrafter):
         x = residual + self.layer.self_attn.output(attend_fn(q, k, v))
         return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.vocab.logits(self.norm(hidden))
-
     # ------------------------------------------------------------ protocol
     def new_state(self) -> ChainState:
         s = self.shape
@@ -201,7 +198,9 @@ class ChainDrafter(DraftVocabMixin, nn.Module, TrainableDrafter):
 
             hidden = self._step(hidden, token_ids.gather(1, pos), pos, attend_chain)
             outputs.append(hidden)
-        return DraftTrainOutput(logits=self.logits(torch.stack(outputs, dim=2)), confidence_logits=None)
+        hidden = self.norm(torch.stack(outputs, dim=2))
+        return DraftTrainOutput(logits=self.vocab.logits(hidden, self.draft_lm_head), confidence_logits=None,
+                                vocab_ids=self.draft_ids)
 
 
 def _chain_mask(anchors: torch.Tensor, seq_len: int, step: int) -> torch.Tensor:

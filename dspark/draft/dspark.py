@@ -233,8 +233,11 @@ class DSparkDrafter(DraftVocabMixin, ParallelBackbone, TrainableDrafter):
         mask = block_train_mask(anchors, s, g)
         embeds = self.vocab.embed(ids.flatten(1), self.param_dtype)
         hidden = self.train_hidden(features, embeds, block_pos.flatten(1), mask).unflatten(1, (-1, g))
-        logits = self.vocab.logits(hidden)  # [B, A, G, V]
+        logits = self.vocab.logits(hidden, self.draft_lm_head)  # [B, A, G, V], or [B, A, G, K] over a draft vocabulary
         prev_ids = token_ids.gather(1, block_pos.flatten(1)).view_as(block_pos)  # x_{k-1}: tokens p..p+G-1
         if self.markov_head is not None:
-            logits = logits + self.markov_head.bias(self.markov_head.block_latents(prev_ids, hidden))
-        return DraftTrainOutput(logits=logits, confidence_logits=self.confidence_logits(hidden, prev_ids))
+            w2 = self.markov_head.markov_w2.weight
+            w2_rows = None if self.draft_ids is None else w2[self.draft_ids.to(w2.device)]  # differentiable rows
+            logits = logits + self.markov_head.bias(self.markov_head.block_latents(prev_ids, hidden), w2_rows)
+        return DraftTrainOutput(logits=logits, confidence_logits=self.confidence_logits(hidden, prev_ids),
+                                vocab_ids=self.draft_ids)

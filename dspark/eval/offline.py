@@ -170,7 +170,6 @@ def score_drafter(drafter, model, store, indices: list[int], *, max_seq_len: int
     g = int(drafter.block_size)
     features = OnlineFeatures(model, drafter.tap_layers)
     dev = next(drafter.parameters()).device
-    vocab = getattr(drafter, "draft_ids", None)
     out: dict[int, Counts] = {}
     for start in tqdm(range(0, len(indices), batch_size), desc=desc, disable=not progress):
         chunk = indices[start : start + batch_size]
@@ -179,12 +178,8 @@ def score_drafter(drafter, model, store, indices: list[int], *, max_seq_len: int
         batch = make_batch(seqs, [0] * len(chunk), max(1, most), g)  # all candidates: every anchor
         feats = features(batch, chunk)
         res = drafter.forward_train(feats.tapped_hidden.to(dev), batch.token_ids.to(dev), batch.anchors.to(dev))
-        logits = res.logits.float()
-        if vocab is not None:  # drafted only inside the draft vocabulary, as at inference
-            keep = torch.full((logits.shape[-1],), float("-inf"), device=logits.device)
-            keep[vocab.to(logits.device)] = 0.0
-            logits = logits + keep
         target_logits = feats.target_logits.to(dev).float()
+        logits = res.full_logits(target_logits.shape[-1]).float()  # -inf outside a draft vocabulary, as at inference
         full = batch.valid.all(-1)  # [B, A]
         for b, index in enumerate(chunk):
             rows = full[b].nonzero().flatten()

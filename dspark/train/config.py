@@ -45,6 +45,11 @@ class DrafterSection:
     # target layers whose weights start the draft decoder layers, one per draft layer, in order
     # (dspark and dflash only: their layers have the target's shape); () = random initialisation
     init_from_target_layers: tuple = ()
+    # train over the K most frequent answer tokens only (Eagle3's reduced draft vocabulary):
+    # the drafter's LM head and DSpark's Markov transition cost K/V of the whole vocabulary's,
+    # the loss is the exact TV of the restricted draft distribution, and the drafter ships with
+    # draft_vocab_size = K. 0 = the whole vocabulary.
+    draft_vocab_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,7 @@ _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("data", "max_seq_len"): (16, 1 << 16),
     ("data", "holdout_fraction"): (0.0, 0.5),
     ("drafter", "block_size"): (1, 64),
+    ("drafter", "draft_vocab_size"): (0, None),
     ("features", "cache_max_gb"): (0.0, 4096.0),
     ("optim", "lr"): (0.0, 1.0),
     ("optim", "min_lr_ratio"): (0.0, 1.0),
@@ -151,9 +157,10 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"[features] mode = {cfg.features.mode!r} is unknown; use one of {', '.join(FEATURE_MODES)}")
     if cfg.loss.a_ce + cfg.loss.a_tv + cfg.loss.a_conf <= 0:
         raise UserError("[loss] a_ce + a_tv + a_conf must be > 0; at least one loss term needs a weight")
-    clash = sorted({"block_size", "seed"} & set(cfg.drafter.options))
+    clash = sorted({"block_size", "seed", "draft_vocab_size"} & set(cfg.drafter.options))
     if clash:
-        raise UserError(f"[drafter.options] may not set {', '.join(clash)}; use [drafter] block_size and [run] seed")
+        raise UserError(f"[drafter.options] may not set {', '.join(clash)}; use [drafter] block_size and "
+                        "draft_vocab_size, and [run] seed")
     if cfg.drafter.init_from_target_layers and cfg.drafter.kind not in ("dspark", "dflash"):
         raise UserError(f"[drafter] init_from_target_layers works for dspark and dflash drafters only (their "
                         f"decoder layers have the target's shape); remove it for kind = {cfg.drafter.kind!r}")

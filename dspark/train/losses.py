@@ -16,7 +16,15 @@ w_k * term, divided by `normalizer`, by default the sum of w_k over the
 supervised positions of this batch. Data-parallel training passes the
 global normalizer, so per-rank losses sum to the single-process loss.
 
-Shapes: B sequences, A anchors, G block size, V vocabulary.
+A drafter trained over a draft vocabulary of K tokens (`vocab_ids`) drafts
+nothing outside it, so its distribution is p_draft over the K tokens and zero
+elsewhere: L_tv is exactly || p_draft - p_target ||_1 of that distribution,
+sum over the K tokens of |p_draft - p_target| plus the target's mass outside
+them, and c*_k is its acceptance probability. A label outside the K tokens
+adds no cross-entropy (the drafter cannot propose it; its TV term still
+counts it).
+
+Shapes: B sequences, A anchors, G block size, V vocabulary, K draft vocabulary.
 """
 
 from __future__ import annotations
@@ -60,13 +68,14 @@ def weight_normalizer(valid: torch.Tensor, block_size: int, decay: float = 0.0) 
 
 
 def draft_loss(
-    draft_logits: torch.Tensor,  # [B, A, G, V]
+    draft_logits: torch.Tensor,  # [B, A, G, V], or [B, A, G, K] over the draft vocabulary vocab_ids
     target_logits: torch.Tensor,  # [B, A, G, V]
     labels: torch.Tensor,  # [B, A, G] int64
     valid: torch.Tensor,  # [B, A, G] bool
     confidence_logits: torch.Tensor | None,  # [B, A, G] or None
     weights: LossWeights,
     normalizer: torch.Tensor | None = None,  # [] float; default: this batch's weight sum
+    vocab_ids: torch.Tensor | None = None,  # [K] sorted token ids of a draft vocabulary; None: all V
 ) -> LossOutput:
     """The three-term objective over the supervised positions of a batch."""
     block_size = draft_logits.shape[2]
@@ -75,13 +84,33 @@ def draft_loss(
     if normalizer is None:
         normalizer = w.sum()
     normalizer = normalizer.clamp(min=1e-12)
+    if (vocab_ids is None and draft_logits.shape[-1] != target_logits.shape[-1]) or (
+        vocab_ids is not None and vocab_ids.numel() != draft_logits.shape[-1]
+    ):
+        raise ValueError(f"draft logits over {draft_logits.shape[-1]} tokens do not match the target's "
+                         f"{target_logits.shape[-1]} or the draft vocabulary's "
+                         f"{None if vocab_ids is None else vocab_ids.numel()}")
 
     draft_logp = F.log_softmax(draft_logits.float(), dim=-1)
+    outside = None
     with torch.no_grad():
         target_probs = F.softmax(target_logits.float(), dim=-1)
+        if vocab_ids is not None:  # the target's probabilities of the draft vocabulary, and its mass elsewhere
+            vocab_ids = vocab_ids.to(target_probs.device)
+            target_probs = target_probs.index_select(-1, vocab_ids)
+            outside = (1.0 - target_probs.sum(-1)).clamp(min=0.0)
+            local = torch.full((target_logits.shape[-1],), -1, dtype=torch.int64, device=labels.device)
+            local[vocab_ids.to(labels.device)] = torch.arange(vocab_ids.numel(), device=labels.device)
+            draft_labels = local[labels.clamp(min=0)]  # -1: outside the draft vocabulary
+        else:
+            draft_labels = labels
     draft_probs = draft_logp.exp()
-    ce = -draft_logp.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)  # [B, A, G]
+    ce = -draft_logp.gather(-1, draft_labels.clamp(min=0)[..., None]).squeeze(-1)  # [B, A, G]
+    if outside is not None:
+        ce = ce * (draft_labels >= 0)
     l1 = (draft_probs - target_probs).abs().sum(-1)  # [B, A, G]
+    if outside is not None:
+        l1 = l1 + outside
     soft_accept = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
 
     loss_ce = (w * ce).sum() / normalizer
@@ -101,8 +130,14 @@ def draft_loss(
         conf=loss_conf.detach(),
         soft_accept=soft_accept,
         confidence=confidence,
-        top1_match=draft_logits.detach().argmax(-1) == labels,
+        top1_match=_top1(draft_logits.detach(), vocab_ids) == labels,
     )
+
+
+def _top1(logits: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:
+    """The draft's most likely token ids [B, A, G]."""
+    best = logits.argmax(-1)
+    return best if vocab_ids is None else vocab_ids.to(best.device)[best]
 
 
 @dataclass

@@ -111,6 +111,26 @@ def init_from_target_layers(drafter, model, layer_ids) -> None:
         draft_layer.load_state_dict(source)  # copies into the drafter's own tensors
 
 
+def restrict_to_draft_vocab(drafter, ranking: torch.Tensor, size: int) -> None:
+    """Train over the `size` most frequent answer tokens only. DSpark's Markov transition
+    starts at zero for every other token and stays there (no gradient reaches it, and weight
+    decay keeps zero at zero): a checkpoint read over the whole vocabulary, as the DeepSpec
+    layout is, adds no transition bias to tokens the drafter was never trained to propose."""
+    if not hasattr(drafter, "set_draft_vocab"):
+        raise UserError("[drafter] draft_vocab_size needs a learned drafter (dspark, dflash, eagle3 or mtp)")
+    vocab = int(ranking.numel())
+    if size >= vocab:
+        raise UserError(f"[drafter] draft_vocab_size = {size} is not below the target's {vocab} tokens; "
+                        "set 0 to train over the whole vocabulary")
+    drafter.set_draft_vocab(ranking, size)
+    head = getattr(drafter, "markov_head", None)
+    if head is not None:
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep[ranking[:size]] = True
+        with torch.no_grad():
+            head.markov_w2.weight[~keep.to(head.markov_w2.weight.device)] = 0.0
+
+
 def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int | None = None) -> Path:
     """Train the drafter a recipe describes; return the folder of the final drafter."""
     from dspark.draft.checkpoint import save_drafter
@@ -131,6 +151,9 @@ def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int
     if cfg.drafter.init_from_target_layers:
         init_from_target_layers(drafter, model, cfg.drafter.init_from_target_layers)
     freeze_shared(drafter, model)
+    ranking = rank_tokens(count_answer_tokens(store, train, target.config.vocab_size))
+    if cfg.drafter.draft_vocab_size:
+        restrict_to_draft_vocab(drafter, ranking, cfg.drafter.draft_vocab_size)
     out_dir = Path(cfg.run.out_dir)
     if info.rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -149,8 +172,8 @@ def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int
     summary["heldout"] = trainer.evaluate(heldout[:MAX_EVAL_SEQUENCES]) if heldout else None
     final = out_dir / "drafter"
     if info.rank == 0:
-        # ship the token ranking; `dspark draft-vocab FOLDER --size K` turns the draft vocabulary on
-        drafter.set_draft_vocab(rank_tokens(count_answer_tokens(store, train, target.config.vocab_size)), 0)
+        # ship the token ranking; `dspark draft-vocab FOLDER --size K` turns the draft vocabulary on (or changes it)
+        drafter.set_draft_vocab(ranking, cfg.drafter.draft_vocab_size)
         save_drafter(drafter, final, extra_config={"num_anchors": cfg.optim.anchors_per_seq})
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         held = summary["heldout"] or {}
@@ -212,7 +235,8 @@ def collect_confidence(drafter, features, store: SequenceStore, indices: list[in
         if out.confidence_logits is None:
             raise UserError("this drafter has no confidence head; only DSpark drafters can be calibrated")
         full = batch.valid.all(-1).to(dev)  # [B, A]
-        draft_probs = torch.softmax(out.logits[full].float(), -1).cpu()  # [n, G, V]
+        vocab = feats.target_logits.shape[-1]
+        draft_probs = torch.softmax(out.full_logits(vocab)[full].float(), -1).cpu()  # [n, G, V], 0 outside a draft vocabulary
         target_probs = torch.softmax(feats.target_logits.to(dev)[full].float(), -1).cpu()
         if labels == "soft":
             accepted = 1.0 - 0.5 * (draft_probs - target_probs).abs().sum(-1)

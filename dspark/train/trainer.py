@@ -156,7 +156,7 @@ class Trainer:
         with self._autocast():
             out = self.drafter.forward_train(feats.tapped_hidden.to(dev), batch.token_ids.to(dev), batch.anchors.to(dev))
         loss = draft_loss(out.logits, feats.target_logits.to(dev), batch.labels.to(dev), valid,
-                          out.confidence_logits, self.weights, normalizer)
+                          out.confidence_logits, self.weights, normalizer, out.vocab_ids)
         return loss, valid
 
     def _autocast(self):
