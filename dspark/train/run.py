@@ -131,10 +131,28 @@ def restrict_to_draft_vocab(drafter, ranking: torch.Tensor, size: int) -> None:
             head.markov_w2.weight[~keep.to(head.markov_w2.weight.device)] = 0.0
 
 
+def build_recipe_drafter(cfg: TrainConfig, target, model, ranking: torch.Tensor, device: torch.device,
+                         draft_vocab_size: int | None = None):
+    """The untrained drafter a recipe describes, on `device`, its shared tensors frozen; over a
+    draft vocabulary of the recipe's size (or `draft_vocab_size`, 0 = the whole vocabulary)."""
+    from dspark.draft.factory import build_drafter
+
+    options = {**cfg.drafter.options, "block_size": cfg.drafter.block_size}
+    drafter = build_drafter(cfg.drafter.kind, target.config, model.embed_tokens, model.lm_head_weight,
+                            seed=cfg.run.seed, final_norm_weight=INIT_NORM_SCALE * model.model.norm.weight,
+                            **options).to(device)
+    if cfg.drafter.init_from_target_layers:
+        init_from_target_layers(drafter, model, cfg.drafter.init_from_target_layers)
+    freeze_shared(drafter, model)
+    size = cfg.drafter.draft_vocab_size if draft_vocab_size is None else draft_vocab_size
+    if size:
+        restrict_to_draft_vocab(drafter, ranking, size)
+    return drafter
+
+
 def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int | None = None) -> Path:
     """Train the drafter a recipe describes; return the folder of the final drafter."""
     from dspark.draft.checkpoint import save_drafter
-    from dspark.draft.factory import build_drafter
     from dspark.models.loading import load_target
 
     cfg = load_config(config_path)
@@ -144,16 +162,8 @@ def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int
     store = SequenceStore(cfg.data.dir)
     _check_data(store, target)
     train, heldout = store.split(cfg.data.holdout_fraction)
-    options = {**cfg.drafter.options, "block_size": cfg.drafter.block_size}
-    drafter = build_drafter(cfg.drafter.kind, target.config, model.embed_tokens, model.lm_head_weight,
-                            seed=cfg.run.seed, final_norm_weight=INIT_NORM_SCALE * model.model.norm.weight,
-                            **options).to(info.device)
-    if cfg.drafter.init_from_target_layers:
-        init_from_target_layers(drafter, model, cfg.drafter.init_from_target_layers)
-    freeze_shared(drafter, model)
     ranking = rank_tokens(count_answer_tokens(store, train, target.config.vocab_size))
-    if cfg.drafter.draft_vocab_size:
-        restrict_to_draft_vocab(drafter, ranking, cfg.drafter.draft_vocab_size)
+    drafter = build_recipe_drafter(cfg, target, model, ranking, info.device)
     out_dir = Path(cfg.run.out_dir)
     if info.rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,139 @@
+"""Wall-clock of one drafter training step, over the whole vocabulary and over draft vocabularies.
+
+    python -m dspark.bench.train_step configs/dspark-960-t1-r256-5l-v8k.toml --sizes 0,8192 --repeats 8
+
+For a recipe, builds its untrained drafter once per draft-vocabulary size K (0 = the whole
+vocabulary; `[drafter] draft_vocab_size` otherwise) on the recipe's data and feature source, and
+times the trainer's step (features, forward, the three-term loss, backward, clipping, AdamW) on the
+same global batches. The sizes take turns on every batch, so the machine's noise falls on all of
+them alike. The features' part of each step (a read of the feature cache, or the online target
+forward) is timed inside the step; the rest is the drafter's share, the part a draft vocabulary
+can make cheaper. A recipe in cache mode builds its feature cache first if it is not on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dspark.errors import UserError
+from dspark.train.config import load_config
+
+
+class _TimedFeatures:
+    """A feature source that remembers how long its last call took."""
+
+    def __init__(self, features) -> None:
+        self.features, self.last = features, 0.0
+
+    def __call__(self, batch, indices):
+        t0 = time.perf_counter()
+        out = self.features(batch, indices)
+        self.last = time.perf_counter() - t0
+        return out
+
+
+def time_train_steps(config_path: str | Path, sizes: list[int], repeats: int = 8, warmup: int = 2,
+                     progress: bool = True) -> dict:
+    """Median step, feature and drafter-share milliseconds per draft-vocabulary size."""
+    from tqdm import tqdm
+
+    from dspark.models.loading import load_target
+    from dspark.train.data import SequenceStore
+    from dspark.train.draft_vocab import count_answer_tokens, rank_tokens
+    from dspark.train.run import _check_data, _features, build_recipe_drafter, drafter_io
+    from dspark.train.trainer import DistInfo, Trainer
+
+    if not sizes or repeats < 1 or warmup < 0:
+        raise ValueError("give at least one size, repeats >= 1 and warmup >= 0")
+    cfg = load_config(config_path)
+    info = DistInfo()
+    target = load_target(cfg.target.path or None, cpu_kernels=True)
+    model = target.model.eval()
+    store = SequenceStore(cfg.data.dir)
+    _check_data(store, target)
+    train, heldout = store.split(cfg.data.holdout_fraction)
+    ranking = rank_tokens(count_answer_tokens(store, train, target.config.vocab_size))
+    pad_id = target.config.eos_token_ids[0] if target.config.eos_token_ids else 0
+    trainers, timers = {}, {}
+    for size in sizes:
+        drafter = build_recipe_drafter(cfg, target, model, ranking, info.device, draft_vocab_size=size)
+        if not timers:  # one feature source for all: the same tapped layers
+            source = _features(cfg, model, drafter, store, train + heldout, target.name, info)
+        timers[size] = _TimedFeatures(source)
+        trainers[size] = Trainer(cfg, drafter, timers[size], store, train, drafter_io(cfg.optim.anchors_per_seq, model),
+                                 info, None, pad_id)
+    times = {size: {"step": [], "features": []} for size in sizes}
+    for step in tqdm(range(warmup + repeats), desc="train steps", disable=not progress):
+        order = sizes[step % len(sizes):] + sizes[: step % len(sizes)]  # who goes first rotates
+        for size in order:
+            trainer = trainers[size]
+            trainer.step = step  # every size trains on this step's global batch
+            t0 = time.perf_counter()
+            trainer.train_step()
+            if step >= warmup:
+                times[size]["step"].append(time.perf_counter() - t0)
+                times[size]["features"].append(timers[size].last)
+    rows = []
+    for size in sizes:
+        step_ms = [1e3 * t for t in times[size]["step"]]
+        feat_ms = [1e3 * t for t in times[size]["features"]]
+        share = [s - f for s, f in zip(step_ms, feat_ms)]
+        rows.append({"draft_vocab_size": size, "step_ms": statistics.median(step_ms),
+                     "features_ms": statistics.median(feat_ms), "drafter_ms": statistics.median(share)})
+    base = rows[0]
+    for row in rows:
+        row["step_speedup"] = base["step_ms"] / row["step_ms"]
+        row["drafter_speedup"] = base["drafter_ms"] / row["drafter_ms"]
+    return {"config": str(config_path), "kind": cfg.drafter.kind, "global_batch": cfg.optim.global_batch,
+            "anchors_per_seq": cfg.optim.anchors_per_seq, "block_size": cfg.drafter.block_size,
+            "feature_mode": cfg.features.mode, "threads": torch.get_num_threads(), "repeats": repeats,
+            "warmup": warmup, "rows": rows}
+
+
+def format_table(result: dict) -> str:
+    base = result["rows"][0]["draft_vocab_size"]
+    lines = [f"{result['config']} ({result['kind']}, {result['global_batch']} sequences x {result['anchors_per_seq']} "
+             f"anchors, G={result['block_size']}, features {result['feature_mode']}, {result['threads']} thread(s), "
+             f"median of {result['repeats']})",
+             f"| draft vocabulary | step ms | features ms | drafter ms | step vs K={base} | drafter vs K={base} |",
+             "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        name = "whole" if r["draft_vocab_size"] == 0 else str(r["draft_vocab_size"])
+        lines.append(f"| {name} | {r['step_ms']:.0f} | {r['features_ms']:.0f} | {r['drafter_ms']:.0f} | "
+                     f"{r['step_speedup']:.2f}x | {r['drafter_speedup']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dspark.bench.train_step", description=__doc__.split("\n")[0])
+    p.add_argument("config", help="training recipe, e.g. configs/dspark-960-t1-r256-5l-v8k.toml")
+    p.add_argument("--sizes", default="0,8192", help="draft vocabulary sizes, comma separated (0 = whole vocabulary)")
+    p.add_argument("--repeats", type=int, default=8, help="timed steps per size")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per size first")
+    p.add_argument("--out", default=None, help="also write the result as JSON here")
+    args = p.parse_args(argv)
+    try:
+        sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--sizes {args.sizes!r}: give whole numbers separated by commas, e.g. 0,8192")
+    try:
+        result = time_train_steps(args.config, sizes, repeats=args.repeats, warmup=args.warmup)
+    except (UserError, ValueError) as e:
+        print(f"python -m dspark.bench.train_step: {e}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

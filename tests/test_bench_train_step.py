@@ -1,0 +1,51 @@
+"""The training-step benchmark on a tiny target and toy data: one row per draft-vocabulary
+size, timed on the same batches; bad sizes are refused with a message."""
+
+import json
+
+import pytest
+
+from dspark.bench.train_step import format_table, main, time_train_steps
+from dspark.models.tiny import tiny_hf_folder
+from train_toys import write_toy_data
+
+
+def _recipe(tmp_path):
+    target_dir = tiny_hf_folder(tmp_path)
+    data = write_toy_data(tmp_path / "data", num=24)
+    (data / "meta.json").write_text(json.dumps({"target": target_dir.name, "vocab_size": 96}))
+    cfg = {
+        "run": {"out_dir": str(tmp_path / "run"), "seed": 1},
+        "data": {"dir": str(data), "max_seq_len": 32, "holdout_fraction": 0.25},
+        "target": {"path": str(target_dir)},
+        "drafter": {"kind": "dspark", "block_size": 3,
+                    "options": {"num_hidden_layers": 1, "markov_rank": 8, "intermediate_size": 64}},
+        "optim": {"total_steps": 10, "warmup_steps": 1, "global_batch": 4, "anchors_per_seq": 4},
+        "log": {"progress": False},
+    }
+    path = tmp_path / "recipe.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_one_row_per_size_on_the_same_batches(tmp_path):
+    recipe = _recipe(tmp_path)
+    result = time_train_steps(recipe, [0, 24], repeats=2, warmup=1, progress=False)
+    rows = result["rows"]
+    assert [r["draft_vocab_size"] for r in rows] == [0, 24]
+    for r in rows:
+        assert r["step_ms"] > 0 and 0 <= r["features_ms"] <= r["step_ms"]
+        assert 0 < r["drafter_ms"] <= r["step_ms"]  # the median of each step's time less its features' time
+    assert rows[0]["step_speedup"] == 1.0 and rows[0]["drafter_speedup"] == 1.0
+    table = format_table(result)
+    assert "| whole |" in table and "| 24 |" in table
+    assert not (tmp_path / "run" / "checkpoints").exists()  # a benchmark writes no checkpoint
+
+
+def test_bad_sizes_are_refused(tmp_path, capsys):
+    recipe = _recipe(tmp_path)
+    with pytest.raises(SystemExit):
+        main([str(recipe), "--sizes", "0,lots"])
+    assert "whole numbers" in capsys.readouterr().err
+    assert main([str(recipe), "--sizes", "0,96"]) == 2  # not below the tiny target's 96 tokens
+    assert "not below the target's 96 tokens" in capsys.readouterr().err
