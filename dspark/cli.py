@@ -149,6 +149,12 @@ def _parser() -> argparse.ArgumentParser:
     bs.add_argument("--max-seconds", type=float, default=3600.0, help="no new level starts after this")
     bs.add_argument("--out", default="runs/load", help="folder for JSON and plots")
     _add_target_args(bs)
+    bt = bsub.add_parser("train-step", help="a recipe's training step per draft vocabulary size")
+    bt.add_argument("config", help="training recipe, e.g. configs/dspark-960-t1-r256-5l-v8k.toml")
+    bt.add_argument("--sizes", default="0,8192", help="draft vocabulary sizes, comma separated (0 = whole vocabulary)")
+    bt.add_argument("--repeats", type=int, default=8, help="timed steps per size")
+    bt.add_argument("--warmup", type=int, default=2, help="untimed steps per size first")
+    bt.add_argument("--out", default=None, help="also write the result as JSON here")
     bk = bsub.add_parser("soak", help="many streaming clients with cancellations and malformed requests")
     bk.add_argument("--url", required=True, help="a running dspark serve on 127.0.0.1")
     bk.add_argument("--clients", type=int, default=16)
@@ -352,6 +358,11 @@ def cmd_bench(args) -> int:
         run_draft_bench(loaded.model, repeats=args.repeats)
     elif args.bench == "serve":
         _bench_serve(args)
+    elif args.bench == "train-step":
+        from dspark.bench.train_step import run_train_step_bench
+
+        run_train_step_bench(args.config, list(_ints(args.sizes, "--sizes")), repeats=args.repeats,
+                             warmup=args.warmup, out=args.out)
     elif args.bench == "soak":
         from dspark.bench.soak import SoakSettings, run_soak
 

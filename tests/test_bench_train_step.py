@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from dspark.bench.train_step import format_table, main, time_train_steps
+from dspark.bench.train_step import format_table, time_train_steps
+from dspark.cli import main
 from dspark.models.tiny import tiny_hf_folder
 from train_toys import write_toy_data
 
@@ -44,8 +45,18 @@ def test_one_row_per_size_on_the_same_batches(tmp_path):
 
 def test_bad_sizes_are_refused(tmp_path, capsys):
     recipe = _recipe(tmp_path)
-    with pytest.raises(SystemExit):
-        main([str(recipe), "--sizes", "0,lots"])
-    assert "whole numbers" in capsys.readouterr().err
-    assert main([str(recipe), "--sizes", "0,96"]) == 2  # not below the tiny target's 96 tokens
+    assert main(["bench", "train-step", str(recipe), "--sizes", "0,lots"]) == 2
+    assert "comma-separated whole numbers" in capsys.readouterr().err
+    assert main(["bench", "train-step", str(recipe), "--sizes", "0,-4"]) == 2
+    assert "sizes are >= 0" in capsys.readouterr().err
+    assert main(["bench", "train-step", str(recipe), "--sizes", "0,96"]) == 2  # not below the tiny target's 96 tokens
     assert "not below the target's 96 tokens" in capsys.readouterr().err
+
+
+def test_the_command_prints_the_table_and_writes_json(tmp_path, capsys):
+    recipe = _recipe(tmp_path)
+    out = tmp_path / "bench" / "step.json"
+    assert main(["bench", "train-step", str(recipe), "--sizes", "0,24", "--repeats", "1", "--warmup", "0",
+                 "--out", str(out)]) == 0
+    assert "| 24 |" in capsys.readouterr().out
+    assert [r["draft_vocab_size"] for r in json.loads(out.read_text())["rows"]] == [0, 24]

@@ -1,6 +1,6 @@
 """Wall-clock of one drafter training step, over the whole vocabulary and over draft vocabularies.
 
-    python -m dspark.bench.train_step configs/dspark-960-t1-r256-5l-v8k.toml --sizes 0,8192 --repeats 8
+    dspark bench train-step configs/dspark-960-t1-r256-5l-v8k.toml --sizes 0,8192 --repeats 8
 
 For a recipe, builds its untrained drafter once per draft-vocabulary size K (0 = the whole
 vocabulary; `[drafter] draft_vocab_size` otherwise) on the recipe's data and feature source, and
@@ -13,10 +13,8 @@ can make cheaper. A recipe in cache mode builds its feature cache first if it is
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -51,7 +49,7 @@ def time_train_steps(config_path: str | Path, sizes: list[int], repeats: int = 8
     from dspark.train.trainer import DistInfo, Trainer
 
     if not sizes or repeats < 1 or warmup < 0:
-        raise ValueError("give at least one size, repeats >= 1 and warmup >= 0")
+        raise UserError("give at least one draft vocabulary size (--sizes), --repeats >= 1 and --warmup >= 0")
     cfg = load_config(config_path)
     info = DistInfo()
     target = load_target(cfg.target.path or None, cpu_kernels=True)
@@ -111,29 +109,14 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dspark.bench.train_step", description=__doc__.split("\n")[0])
-    p.add_argument("config", help="training recipe, e.g. configs/dspark-960-t1-r256-5l-v8k.toml")
-    p.add_argument("--sizes", default="0,8192", help="draft vocabulary sizes, comma separated (0 = whole vocabulary)")
-    p.add_argument("--repeats", type=int, default=8, help="timed steps per size")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per size first")
-    p.add_argument("--out", default=None, help="also write the result as JSON here")
-    args = p.parse_args(argv)
-    try:
-        sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
-    except ValueError:
-        p.error(f"--sizes {args.sizes!r}: give whole numbers separated by commas, e.g. 0,8192")
-    try:
-        result = time_train_steps(args.config, sizes, repeats=args.repeats, warmup=args.warmup)
-    except (UserError, ValueError) as e:
-        print(f"python -m dspark.bench.train_step: {e}", file=sys.stderr)
-        return 2
+def run_train_step_bench(config_path: str | Path, sizes: list[int], repeats: int = 8, warmup: int = 2,
+                         out: str | Path | None = None) -> dict:
+    """`dspark bench train-step`: time, print the table, and write the JSON to `out` if given."""
+    if any(size < 0 for size in sizes):
+        raise UserError(f"--sizes {sizes}: draft vocabulary sizes are >= 0 (0 = the whole vocabulary)")
+    result = time_train_steps(config_path, list(sizes), repeats=repeats, warmup=warmup)
     print(format_table(result))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
