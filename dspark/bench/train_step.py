@@ -50,6 +50,8 @@ def time_train_steps(config_path: str | Path, sizes: list[int], repeats: int = 8
 
     if not sizes or repeats < 1 or warmup < 0:
         raise UserError("give at least one draft vocabulary size (--sizes), --repeats >= 1 and --warmup >= 0")
+    if any(size < 0 for size in sizes):
+        raise UserError(f"--sizes {sizes}: draft vocabulary sizes are >= 0 (0 = the whole vocabulary)")
     cfg = load_config(config_path)
     info = DistInfo()
     target = load_target(cfg.target.path or None, cpu_kernels=True)
@@ -112,8 +114,6 @@ def format_table(result: dict) -> str:
 def run_train_step_bench(config_path: str | Path, sizes: list[int], repeats: int = 8, warmup: int = 2,
                          out: str | Path | None = None) -> dict:
     """`dspark bench train-step`: time, print the table, and write the JSON to `out` if given."""
-    if any(size < 0 for size in sizes):
-        raise UserError(f"--sizes {sizes}: draft vocabulary sizes are >= 0 (0 = the whole vocabulary)")
     result = time_train_steps(config_path, list(sizes), repeats=repeats, warmup=warmup)
     print(format_table(result))
     if out:
