@@ -324,7 +324,7 @@ def offline_table(run: OfflineRun) -> str:
             lines.append(f"- / {d.label}: benchmarks {_ratio(iv)}" + ("" if held is None else f"; held-out {held:.3f}x"))
     lines += ["", "Acceptance by position (mean c*_k over the benchmarks' full blocks):", ""]
     for d in run.drafters:
-        lines.append(f"- {d.label}: " + " ".join(f"{a:.2f}" for a in d.acceptance()))
+        lines.append(f"- {d.label}: " + " ".join(f"{a:.3f}" for a in d.acceptance()))
     return "\n".join(lines)
 
 
