@@ -91,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--stop-at-step", type=int, default=None, help="stop early at this step (checkpointed)")
     t.add_argument("--evaluate", metavar="DRAFTER", default=None,
                    help="do not train: print the held-out evaluation of a drafter folder on this recipe's data (JSON)")
+    t.add_argument("--eval-features", choices=["online", "cache"], default="online",
+                   help="with --evaluate: compute the target's features online, or read them from the recipe's feature cache")
 
     c = sub.add_parser("calibrate", help="Sequential Temperature Scaling of a drafter's confidence head")
     c.add_argument("drafter", help="drafter folder")
@@ -269,7 +271,7 @@ def cmd_train(args) -> int:
     from dspark.train.run import evaluate_drafter, run_train
 
     if args.evaluate:
-        print(json.dumps(evaluate_drafter(args.config, args.evaluate)))
+        print(json.dumps(evaluate_drafter(args.config, args.evaluate, features=args.eval_features)))
         return 0
     folder = run_train(args.config, resume=not args.no_resume, stop_at_step=args.stop_at_step)
     print(f"dspark train: drafter written to {folder}")

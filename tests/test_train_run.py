@@ -158,6 +158,35 @@ def test_evaluate_drafter_repeats_the_end_of_training_evaluation(tmp_path):
     assert again["loss"] == pytest.approx(held["loss"], rel=0.02)
 
 
+def test_evaluate_drafter_reads_the_recipe_feature_cache(tmp_path):
+    """features="cache" reads the features training cached (held-out split included) and repeats the
+    end-of-training evaluation, which read them too; online agrees to float16 rounding of the taps.
+    Without a usable cache it refuses with the fix."""
+    recipe = _recipe(tmp_path, "dspark", steps=3)
+    cfg = json.loads(recipe.read_text())
+    cfg["features"] = {"mode": "cache", "cache_max_gb": 1.0}
+    recipe.write_text(json.dumps(cfg))
+    final = run_train(recipe)
+    held = json.loads((final.parent / "summary.json").read_text())["heldout"]
+    cached = evaluate_drafter(recipe, final, features="cache")
+    online = evaluate_drafter(recipe, final)
+    assert cached["features"] == "cache" and online["features"] == "online"
+    assert cached["expected_accept_len"] == pytest.approx(held["expected_accept_len"], abs=0.02)
+    assert cached["expected_accept_len"] == pytest.approx(online["expected_accept_len"], abs=0.02)
+    assert cached["loss"] == pytest.approx(online["loss"], rel=0.02)
+
+    shard = sorted((final.parent / "feature_cache").glob("features-*.safetensors"))
+    for path in shard:
+        path.unlink()
+    with pytest.raises(UserError, match="lacks .* held-out sequences"):
+        evaluate_drafter(recipe, final, features="cache")
+    with pytest.raises(UserError, match="features must be one of online, cache"):
+        evaluate_drafter(recipe, final, features="disk")
+    plain = _recipe(tmp_path / "plain", "dflash", steps=2)
+    with pytest.raises(UserError, match="no feature cache in .*evaluate with features online"):
+        evaluate_drafter(plain, final, features="cache")
+
+
 def _checkpoint_weights(out_dir: Path) -> dict:
     latest = (out_dir / "checkpoints" / "latest").read_text().strip()
     return load_file(str(out_dir / "checkpoints" / latest / "drafter" / "model.safetensors"))
@@ -234,6 +263,17 @@ def test_snapshots_feed_the_budget_report(tmp_path):
         raise AssertionError("cached results must be reused")
 
     write_budget_report(recipes, tmp_path / "docs" / "BUDGET.md", "cmd", refuse)
+    sources = []
+
+    def record(recipe, folder):
+        sources.append(folder)
+        return evaluate_drafter(recipe, folder)
+
+    write_budget_report(recipes, tmp_path / "docs" / "BUDGET.md", "cmd", record, features="cache")
+    assert len(sources) == 4  # the online results are not reused for a page read from the cache
+    assert json.loads((tmp_path / "run-dspark" / "budget" / "step-0000004.json").read_text())["features"] == "cache"
+    assert "read from the recipe cache" in (tmp_path / "docs" / "BUDGET.md").read_text()
+    assert budget_main(["--run", f"x={recipes[0][1]}", "--features", "disk"]) == 2
     assert budget_main(["--run", "no-equals-sign"]) == 2
     assert budget_main(["--out", "x.md"]) == 2 and budget_main(["--bogus"]) == 2
     fresh = _recipe(tmp_path / "fresh", "dflash", steps=2)  # never trained: nothing to evaluate
