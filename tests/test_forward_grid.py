@@ -188,3 +188,50 @@ def test_the_gate_prices_a_partly_drafted_step_at_all_its_requests():
     fair = [0.5 ** k for k in range(1, G + 1)]
     assert gate.best_drafts([good] + [flat] * 15) == [True] + [False] * 15
     assert gate.best_drafts([fair] + [flat] * 15) == [False] * 16
+
+
+def test_lookups_never_fall_with_more_tokens_and_a_noisy_dip_does_not_open_the_gate():
+    """Session 20's profile, taken while another job ran: a plain step of 16 requests at
+    153 ms, the same step verifying one or two more tokens at 125 ms. Read raw, any draft
+    looked cheaper than none and the gate drafted in 86 % of the steps at 16 clients."""
+    from dspark.schedule.gate import DraftGate
+
+    noisy = {16: 0.1527, 17: 0.1252, 18: 0.1251, 23: 0.1478, 24: 0.1592, 32: 0.2215}
+    grid = ForwardGrid({16: CostTable(noisy)}, key=KEY)
+    assert grid.points() == [(16, b, s) for b, s in sorted(noisy.items())]  # the raw points are kept
+    fitted = [grid.seconds_per_step(b, 16) for b in range(16, 33)]
+    assert all(a <= b for a, b in zip(fitted, fitted[1:]))  # time never falls as B grows
+    assert grid.seconds_per_step(16, 16) == pytest.approx((0.1527 + 0.1252 + 0.1251) / 3)  # the dip pooled
+    assert grid.seconds_per_step(32, 16) == pytest.approx(0.2215)  # real upward steps stay
+    draft = CostTable({1: 0.0104, 2: 0.0143, 3: 0.0193, 4: 0.0322, 5: 0.0285, 16: 0.0877})  # D(5) < D(4): noise
+    cost = SplitCost(grid, draft)
+    assert cost.draft_seconds(5) >= cost.draft_seconds(4) and cost.draft_seconds(0) == 0.0
+    assert cost.draft.points() == sorted(draft.points())
+    # 16 requests whose drafts are worth 0.3 tokens at the first position, less after: not worth it
+    curves = [[0.3, 0.1, 0.03, 0.01, 0.0, 0.0, 0.0]] * 16
+    assert not any(DraftGate(cost).best_drafts(curves))
+    # read raw, the same profile made drafting two requests look cheaper than a plain step
+    assert noisy[18] + draft.seconds_per_step(2) < noisy[16]
+    # good drafts still open it
+    assert any(DraftGate(cost).best_drafts([[0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5]] * 16))
+
+
+def test_measure_in_passes_sweeps_back_and_forth_and_a_burst_spoils_one_timing():
+    from dspark.schedule.cost import measure_in_passes
+
+    calls = []
+
+    def measure(p):
+        calls.append(p)
+        burst = 10.0 if len(calls) in (2, 3) else 1.0  # a few seconds of another job's load
+        return p * burst
+
+    timed = measure_in_passes(measure, [1, 2, 3], passes=3, progress=False)
+    assert calls == [1, 2, 3, 3, 2, 1, 1, 2, 3]
+    assert timed == {1: 1.0, 2: 2.0, 3: 3.0}  # the burst hit points 2 and 3 once each: medians drop it
+    with pytest.raises(ValueError, match="passes"):
+        measure_in_passes(measure, [1], passes=0, progress=False)
+    with pytest.raises(ValueError, match="at least one"):
+        measure_in_passes(measure, [], progress=False)
+    with pytest.raises(ValueError, match="seconds"):
+        measure_in_passes(lambda p: -1.0, [1], progress=False)

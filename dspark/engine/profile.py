@@ -16,7 +16,11 @@ how many tokens it verifies (`ForwardGrid`). Drafting is measured apart, one
 batched `propose` for R requests, D(R). The forward returns logits for all B
 rows and the drafter's tapped layers, as the engine asks. `warmup` untimed
 steps at the largest budget come first (they touch every buffer once); each
-point is then the median of `repeats` timed steps. After every step the
+point is then the median of `repeats` timed steps, taken in `repeats` passes
+over all the points (`measure_in_passes`: a burst of load from another job
+spoils one timing of many points, not every timing of a few), and lookups read
+isotonic fits (time never falls with more tokens or more drafting requests,
+`ForwardGrid`, `SplitCost`). After every step the
 scratch slots roll back to the context, and everything is released at the
 end. Verification sampling and Python bookkeeping of a real step are not
 included.
@@ -40,7 +44,7 @@ from dspark.errors import UserError
 from dspark.models.cpu_kernels import MAX_ROWS, ROW_GROUP, has_cpu_kernels
 from dspark.models.device import synchronize
 from dspark.schedule import CostKey, CostTable, budget_grid, profile_points, settings_fingerprint
-from dspark.schedule.cost import ForwardGrid, SplitCost
+from dspark.schedule.cost import ForwardGrid, SplitCost, measure_in_passes
 from dspark.types import RaggedBatch, SamplingParams
 
 # Filler for the synthetic context (tiled to context_len tokens when a tokenizer is given).
@@ -62,7 +66,7 @@ class ProfileSettings:
     context_len: int = 256  # cached tokens per synthetic request (1..8192)
     max_requests: int = 16  # most synthetic requests R in one step (1..256)
     max_budget: int | None = None  # largest B measured; None: max_requests * (1 + G)
-    repeats: int = 3  # timed steps per budget, median taken (1..50)
+    repeats: int = 3  # timed steps per point, one per pass over all the points, median taken (1..50)
     warmup: int = 2  # untimed steps at the largest budget before any timing (0..10)
     dense_until: int = 8  # measure every B up to this, then a geometric grid (>= 1)
     ratio: float = 1.3  # geometric grid ratio past dense_until (1 < ratio <= 4)
@@ -145,8 +149,8 @@ def hardware_id(device: torch.device | str = "cpu") -> str:
 
 # bumped when a change to the runtime or the drafters changes step times, so that profiles
 # cached by an older dspark are measured again instead of reused
-RUNTIME_REVISION = 6  # 5: attention in parts by query length; budgets on both sides of row-group edges;
-#                       6: the forward measured over (requests, tokens)
+RUNTIME_REVISION = 7  # 5: attention in parts by query length; budgets on both sides of row-group edges;
+#                       6: the forward measured over (requests, tokens); 7: repeats taken in passes
 
 
 def profile_key(
@@ -186,9 +190,11 @@ def load_or_profile(
     refresh: bool = False,
     progress: bool = True,
     desc: str = "profiling SPS(B)",
+    passes: int = 1,
 ) -> ProfileOutcome:
     """Reuse the table cached at `path` if it was measured for `key`; otherwise call
-    `measure(B)` (seconds per step) at every budget, and cache the new table."""
+    `measure(B)` (seconds per step) at every budget, once per pass (median over the
+    passes), and cache the new table."""
     if path is not None and not refresh:
         try:
             cached = CostTable.try_load(path, key)  # None if missing or measured for another key
@@ -197,7 +203,7 @@ def load_or_profile(
             cached = None
         if cached is not None:
             return ProfileOutcome(cached, path, reused=True)
-    table = profile_points(measure, budgets, key=key, progress=progress, desc=desc)
+    table = profile_points(measure, budgets, key=key, progress=progress, desc=desc, passes=passes)
     if path is not None:
         table.save(path)
     return ProfileOutcome(table, path, reused=False)
@@ -303,17 +309,22 @@ class StepBench:
         for _ in range(self.settings.warmup):
             self.step_seconds(lens)
 
-    def measure(self, budget: int, include_propose: bool = True, requests: int | None = None) -> float:
-        """Median seconds of one step verifying `budget` tokens (or of its target forward alone),
-        spread over `requests` requests (None: the fewest that can verify them)."""
+    def measure(self, budget: int, include_propose: bool = True, requests: int | None = None,
+                repeats: int | None = None) -> float:
+        """Median seconds of `repeats` (default: settings.repeats) steps verifying `budget` tokens
+        (or of their target forward alone), spread over `requests` requests (None: the fewest
+        that can verify them)."""
         block = self.drafter.block_size
         lens = (split_budget(budget, block, self.settings.max_requests) if requests is None
                 else spread_budget(budget, requests, block))
-        return statistics.median(self.step_seconds(lens, include_propose) for _ in range(self.settings.repeats))
+        count = self.settings.repeats if repeats is None else repeats
+        return statistics.median(self.step_seconds(lens, include_propose) for _ in range(count))
 
-    def measure_propose(self, count: int) -> float:
-        """Median seconds of one batched propose for `count` requests."""
-        return statistics.median(self.propose_seconds(count) for _ in range(self.settings.repeats))
+    def measure_propose(self, count: int, repeats: int | None = None) -> float:
+        """Median seconds of `repeats` (default: settings.repeats) batched proposes for `count`
+        requests."""
+        times = self.settings.repeats if repeats is None else repeats
+        return statistics.median(self.propose_seconds(count) for _ in range(times))
 
     def close(self) -> None:
         """Release the drafter states and the scratch cache."""
@@ -388,11 +399,11 @@ def profile_engine(
     rows = {r: settings.row_budgets(r, drafter.block_size, budgets) for r in settings.request_rows(drafter.block_size)}
     try:
         forward, forward_reused = load_or_profile_grid(
-            forward_key, lambda r, b: ready().measure(b, include_propose=False, requests=r), rows,
-            path=path_of(forward_key), refresh=refresh, progress=progress)
-        draft = load_or_profile(draft_key, lambda r: ready().measure_propose(r), counts,
+            forward_key, lambda r, b: ready().measure(b, include_propose=False, requests=r, repeats=1), rows,
+            path=path_of(forward_key), refresh=refresh, progress=progress, passes=settings.repeats)
+        draft = load_or_profile(draft_key, lambda r: ready().measure_propose(r, repeats=1), counts,
                                 path=path_of(draft_key), refresh=refresh, progress=progress,
-                                desc="profiling D(R)")
+                                desc="profiling D(R)", passes=settings.repeats)
     finally:
         if bench is not None:
             bench.close()
@@ -411,12 +422,12 @@ def load_or_profile_grid(
     path: Path | None,
     refresh: bool = False,
     progress: bool = True,
+    passes: int = 1,
 ) -> tuple[ForwardGrid, bool]:
     """Reuse the F(R, B) grid cached at `path` if it was measured for `key` (returns it and
     True); otherwise call `measure(R, B)` (seconds) at every budget B of every row R in
-    `rows`, cache the new grid and return it and False."""
-    from tqdm.auto import tqdm
-
+    `rows`, once per pass (median over the passes), cache the new grid and return it and
+    False."""
     if path is not None and not refresh:
         try:
             cached = ForwardGrid.try_load(path, key)
@@ -429,10 +440,8 @@ def load_or_profile_grid(
         raise ValueError("the forward grid needs at least one request count, each with at least one budget")
     measured: dict[int, dict[int, float]] = {r: {} for r in rows}
     pairs = [(r, b) for r, budgets in rows.items() for b in budgets]
-    for r, b in tqdm(pairs, desc="profiling F(R, B)", unit="point", disable=not progress):
-        seconds = float(measure(r, b))
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise ValueError(f"measure({r}, {b}) returned {seconds}; it must return seconds (> 0)")
+    timed = measure_in_passes(lambda rb: measure(*rb), pairs, passes, progress=progress, desc="profiling F(R, B)")
+    for (r, b), seconds in timed.items():
         measured[r][b] = seconds
     grid = ForwardGrid({r: CostTable(points) for r, points in measured.items()}, key=key)
     if path is not None:

@@ -274,23 +274,49 @@ def profile_points(
     monotone: bool = False,
     progress: bool = True,
     desc: str = "profiling SPS(B)",
+    passes: int = 1,
 ) -> CostTable:
     """Measure seconds per step at each budget with `measure(B)` and build a table.
 
-    `measure` runs (warm-up and repeats are its business) one engine step that
-    verifies B tokens in total and returns its time in seconds.
+    `measure` runs one engine step (or, with passes=1, as many as it likes) that
+    verifies B tokens in total and returns its time in seconds. `passes` > 1
+    measures every budget once per pass and keeps the median (`measure_in_passes`).
     """
+    points = measure_in_passes(lambda b: measure(int(b)), [int(b) for b in budgets], passes,
+                               progress=progress, desc=desc, what="budget")
+    return CostTable(points, key=key, monotone=monotone)
+
+
+def measure_in_passes(measure: Callable, points: Sequence, passes: int = 1, *, progress: bool = True,
+                      desc: str = "profiling", what: str = "point") -> dict:
+    """{point: median seconds of `measure(point)` over `passes` sweeps of all the points}.
+
+    One sweep per pass, forward then backward in turn, instead of all the repeats of
+    one point back to back: a burst of load on a shared machine (another job for a
+    few seconds) then spoils one of each point's timings, which the median drops,
+    rather than all the timings of a few neighbouring points. Measured on this CPU
+    (session 20's profile, taken back to back while a training job ran): a plain
+    decode step of 16 requests came out at 153 ms and the same step verifying one
+    more token at 125 ms, so every drafted step looked cheaper than not drafting."""
+    import statistics
+
     from tqdm.auto import tqdm
 
-    if not budgets:
-        raise ValueError("profile_points needs at least one budget")
-    points: dict[int, float] = {}
-    for b in tqdm(list(budgets), desc=desc, unit="point", disable=not progress):
-        seconds = float(measure(int(b)))
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise ValueError(f"measure({b}) returned {seconds}; it must return seconds per step (> 0)")
-        points[int(b)] = seconds
-    return CostTable(points, key=key, monotone=monotone)
+    if not points:
+        raise ValueError(f"measuring needs at least one {what}")
+    if passes < 1:
+        raise ValueError(f"passes must be >= 1, got {passes}")
+    order = list(points)
+    timings: dict = {p: [] for p in order}
+    with tqdm(total=passes * len(order), desc=desc, unit="point", disable=not progress) as bar:
+        for k in range(passes):
+            for p in order if k % 2 == 0 else reversed(order):
+                seconds = float(measure(p))
+                if not (math.isfinite(seconds) and seconds > 0):
+                    raise ValueError(f"measure({p}) returned {seconds}; it must return seconds per step (> 0)")
+                timings[p].append(seconds)
+                bar.update()
+    return {p: statistics.median(t) for p, t in timings.items()}
 
 
 class ForwardGrid:
@@ -305,7 +331,11 @@ class ForwardGrid:
     and each extra verified token look dear.
 
     `rows` maps measured request counts R to a `CostTable` over B (its budgets
-    from R to R (1 + G)). A lookup for an unmeasured R interpolates linearly
+    from R to R (1 + G)). Lookups read each row's isotonic fit (time never
+    falls as B grows: verifying one more token cannot make a forward faster),
+    so a noisy dip cannot make a drafted step look cheaper than a plain one;
+    the fit keeps the real upward cliffs (a new row group of the CPU kernel)
+    and `points()`, the file and the plot keep the raw measurements. A lookup for an unmeasured R interpolates linearly
     between the two nearest measured rows, at the same B; below the smallest
     row it reads that row; past the largest it extrapolates with the last two
     rows' slope in R (floored at zero). Within a row, `CostTable`'s own rules
@@ -318,7 +348,8 @@ class ForwardGrid:
         for r in rows:
             if int(r) != r or r < 1:
                 raise ValueError(f"request counts must be integers >= 1, got {r}")
-        self.rows: dict[int, CostTable] = {int(r): rows[r] for r in sorted(rows)}
+        self.rows: dict[int, CostTable] = {int(r): rows[r] for r in sorted(rows)}  # as measured
+        self._fits = {r: t if t.is_monotone else t.monotone() for r, t in self.rows.items()}  # what lookups read
         self.counts: list[int] = list(self.rows)
         self.key = key
 
@@ -342,7 +373,7 @@ class ForwardGrid:
         """Row `requests` at `budget`; below the row's first budget (its R: fewer tokens than
         requests, asked only while interpolating from a smaller row) the row's first slope
         continues backwards (floored at zero, and at half the first point)."""
-        table = self.rows[requests]
+        table = self._fits[requests]
         first = table.budgets[0]
         if budget >= first or len(table.budgets) == 1:
             return table.seconds_per_step(budget)
@@ -426,8 +457,14 @@ class SplitCost:
     """
 
     def __init__(self, forward: "CostTable | ForwardGrid", draft: CostTable) -> None:
-        self.forward, self.draft = forward, draft
+        self.forward, self.draft = forward, draft  # as measured
+        # lookups of D read its isotonic fit: drafting for more requests is never cheaper
+        self._draft_fit = draft if draft.is_monotone else draft.monotone()
         self.key = forward.key
+
+    def draft_seconds(self, requests: int) -> float:
+        """D(R): one batched propose for `requests` requests (0 for none)."""
+        return self._draft_fit.seconds_per_step(requests) if requests > 0 else 0.0
 
     def forward_seconds(self, budget: int, requests: int) -> float:
         """F(R, B): the target forward of `requests` requests verifying `budget` tokens."""
@@ -439,8 +476,7 @@ class SplitCost:
         """Seconds of one step of `requests` requests verifying `budget` tokens, of which
         `drafted` requests drafted (None: all of them; 0 or False: a plain step)."""
         count = requests if drafted is None else int(drafted)
-        draft = self.draft.seconds_per_step(count) if count > 0 else 0.0
-        return self.forward_seconds(budget, requests) + draft
+        return self.forward_seconds(budget, requests) + self.draft_seconds(count)
 
     def given_requests(self, drafted: int, requests: int | None = None) -> "_DraftedCurve":
         """The SPS(B) curve of a step of `requests` requests (default: `drafted`), `drafted` of
@@ -460,7 +496,7 @@ class _DraftedCurve:
 
     def __init__(self, cost: SplitCost, drafted: int, requests: int) -> None:
         self._cost, self._requests = cost, max(1, requests)
-        self._draft = cost.draft.seconds_per_step(max(1, drafted))
+        self._draft = cost.draft_seconds(max(1, drafted))
 
     def seconds_per_step(self, budget: int) -> float:
         return self._cost.forward_seconds(budget, self._requests) + self._draft
