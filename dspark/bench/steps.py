@@ -1,0 +1,180 @@
+"""Where a step's time goes, step by step, next to what the cost profile predicted.
+
+The load benchmark reports what an arm achieves; this trace says why. It runs a
+synchronous `Engine` in a closed loop (every finished request is replaced at once,
+so `concurrency` requests decode in every step) and records, per step: how many
+requests decoded and drafted, the tokens B the target verified, the measured
+seconds of the target forward, of the drafter's `propose` and `observe`, of the
+whole step, and the tokens it committed. Decode-only steps (no prompt chunk in
+them) are then grouped by B and their median forward time is set beside the
+profile's F(R, B), which is the number the draft gate priced the step with.
+
+Session 21 found run Q's regression this way (docs/LOAD.md, runs R and S): the
+gate drafted two requests in nearly every step at 16 clients because the cached
+profile said a step verifying 18 tokens (125 ms) was cheaper than a plain one of
+16 (153 ms); the trace measured 131 and 136 ms.
+
+    .venv/bin/python -m dspark.bench.steps DRAFTER POLICY CONCURRENCY STEPS
+
+runs the embedded target on the evaluation prompts (greedy, 64 new tokens, one
+torch thread as the load benchmark) and prints the summary.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class StepRecord:
+    """One engine step."""
+
+    seconds: float  # the whole step
+    forward: float  # the target forward(s) in it
+    propose: float  # the drafter's propose (0 when nobody drafted)
+    observe: float  # the drafter's observe
+    budget: int  # tokens the target computed (verification plus any prompt chunk)
+    requests: int  # requests in the target forward
+    decoding: int  # requests that got a StepOutput (decoded, or finished their prompt)
+    prefill: int  # prompt tokens computed in the step
+    drafted: bool  # the policy drafted for at least one request
+    tokens: int  # tokens committed
+
+
+def trace_steps(engine, prompts: Sequence[list[int]], params, concurrency: int, steps: int,
+                progress: bool = True) -> list[StepRecord]:
+    """Run `steps` steps of `engine` with `concurrency` requests, replacing each finished one
+    with the next prompt of `prompts` (cycled), and record each step. The engine's target
+    and drafter are wrapped for the run and restored after it."""
+    from tqdm.auto import tqdm
+
+    if concurrency < 1 or steps < 1 or not prompts:
+        raise ValueError(f"need concurrency >= 1, steps >= 1 and prompts; got {concurrency}, {steps}, {len(prompts)}")
+    target, drafter = engine.target, engine.drafter
+    cur: dict[str, float] = {}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            cur[name] = cur.get(name, 0.0) + time.perf_counter() - start
+            return out
+        return wrapper
+
+    def forward(ragged, *args, **kwargs):
+        cur["budget"] = cur.get("budget", 0) + len(ragged.token_ids)
+        cur["requests"] = cur.get("requests", 0) + len(ragged.query_lens)
+        return timed_forward(ragged, *args, **kwargs)
+
+    timed_forward = timed("forward", target.forward)
+    plan_steps = engine.batcher.plan
+
+    def plan(*args, **kwargs):
+        out = plan_steps(*args, **kwargs)
+        cur["prefill"] = sum(length for _, length in out.prefill)
+        return out
+
+    wrapped = {(target, "forward"): forward, (drafter, "propose"): timed("propose", drafter.propose),
+               (drafter, "observe"): timed("observe", drafter.observe),
+               (engine.batcher, "plan"): plan}
+    missing = object()
+    saved = {key: vars(key[0]).get(key[1], missing) for key in wrapped}
+    for (obj, name), fn in wrapped.items():
+        setattr(obj, name, fn)
+    records: list[StepRecord] = []
+    next_prompt = 0
+    try:
+        for _ in range(concurrency):
+            engine.add_request(list(prompts[next_prompt % len(prompts)]), params)
+            next_prompt += 1
+        for _ in tqdm(range(steps), desc=f"tracing {concurrency} requests", unit="step", disable=not progress):
+            cur.clear()
+            drafted_before = engine.num_full_drafts + engine.num_partial_drafts
+            start = time.perf_counter()
+            outputs = engine.step()
+            seconds = time.perf_counter() - start
+            records.append(StepRecord(
+                seconds=seconds, forward=cur.get("forward", 0.0), propose=cur.get("propose", 0.0),
+                observe=cur.get("observe", 0.0), budget=int(cur.get("budget", 0)),
+                requests=int(cur.get("requests", 0)), decoding=len(outputs), prefill=int(cur.get("prefill", 0)),
+                drafted=engine.num_full_drafts + engine.num_partial_drafts > drafted_before,
+                tokens=sum(len(o.new_token_ids) for o in outputs)))
+            for out in outputs:
+                if out.finished:
+                    engine.pop_finished(out.request_id)
+                    engine.add_request(list(prompts[next_prompt % len(prompts)]), params)
+                    next_prompt += 1
+    finally:
+        for (obj, name), before in saved.items():  # back to what they were
+            if before is missing:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, before)
+    return records
+
+
+def summarise(records: Sequence[StepRecord], cost=None) -> str:
+    """Plain and drafted decode-only steps (every request decoding, no prompt chunk) side by
+    side, then each B's median forward against the profile's F(R, B) when `cost` is given."""
+    if not records:
+        return "no steps"
+    full = max(r.decoding for r in records)
+    decode = [r for r in records if r.decoding == full and r.requests == full and r.prefill == 0]
+    lines = [f"{len(records)} steps, {sum(r.tokens for r in records)} tokens in "
+             f"{sum(r.seconds for r in records):.1f} s; {len(decode)} decode-only steps of {full} requests"]
+    for label, rows in (("plain", [r for r in decode if not r.drafted]), ("drafted", [r for r in decode if r.drafted])):
+        if rows:
+            mean = {k: statistics.mean(getattr(r, k) for r in rows) for k in ("seconds", "forward", "propose", "observe",
+                                                                              "budget", "tokens")}
+            lines.append(f"{label:>8}: {len(rows)} steps, {1e3 * mean['seconds']:.1f} ms a step (forward "
+                         f"{1e3 * mean['forward']:.1f}, propose {1e3 * mean['propose']:.1f}, observe "
+                         f"{1e3 * mean['observe']:.1f}), B {mean['budget']:.2f}, {mean['tokens']:.2f} tokens, "
+                         f"{mean['tokens'] / mean['seconds']:.1f} tok/s")
+    by_budget: dict[int, list[float]] = defaultdict(list)
+    for r in decode:
+        by_budget[r.budget].append(r.forward)
+    for budget in sorted(by_budget):
+        measured = 1e3 * statistics.median(by_budget[budget])
+        predicted = "" if cost is None else f", profile F({full}, {budget}) {1e3 * cost.forward_seconds(budget, full):.1f} ms"
+        lines.append(f"  B={budget}: {len(by_budget[budget])} steps, forward median {measured:.1f} ms{predicted}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    """DRAFTER POLICY CONCURRENCY STEPS (no argparse outside cli.py)."""
+    if len(argv) != 4 or not argv[2].isdigit() or not argv[3].isdigit():
+        raise SystemExit("usage: python -m dspark.bench.steps DRAFTER POLICY CONCURRENCY STEPS "
+                         "(e.g. dspark/assets/drafters/smollm2-135m-dspark dspark 16 300)")
+    import torch
+
+    from dspark.bench.arms import Arm
+    from dspark.bench.clients import ChatEncoder, SamplingSpec
+    from dspark.bench.load import InProcessBackend, load_prompts
+    from dspark.engine.engine import Engine
+    from dspark.models import load_target
+    from dspark.schedule import make_policy
+    from dspark.types import SamplingParams
+
+    drafter_spec, policy_name, concurrency, steps = argv[0], argv[1], int(argv[2]), int(argv[3])
+    torch.set_num_threads(1)  # as the load benchmark (dspark.bench.load_docs)
+    loaded = load_target(None)
+    prompts = load_prompts("all", max_chars=300)
+    backend = InProcessBackend(loaded, prompts, SamplingSpec(max_new_tokens=64), concurrency, embedded=True)
+    drafter, cost = backend._arm_parts(Arm("traced", drafter_spec, policy_name))
+    options = {"k": drafter.block_size} if policy_name == "fixed" else {}
+    engine = Engine(loaded.model, drafter, make_policy(policy_name, cost, **options), backend.engine_config,
+                    tokenizer=loaded.tokenizer)
+    encoder = ChatEncoder(loaded.tokenizer)
+    records = trace_steps(engine, [encoder(p) for p in prompts], SamplingParams(temperature=0.0, max_new_tokens=64),
+                          concurrency, steps)
+    print(f"{drafter_spec} / {policy_name}, {concurrency} requests")
+    print(summarise(records, cost))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
