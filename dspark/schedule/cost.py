@@ -335,8 +335,9 @@ class ForwardGrid:
     falls as B grows: verifying one more token cannot make a forward faster),
     so a noisy dip cannot make a drafted step look cheaper than a plain one;
     the fit keeps the real upward cliffs (a new row group of the CPU kernel)
-    and `points()`, the file and the plot keep the raw measurements. A lookup for an unmeasured R interpolates linearly
-    between the two nearest measured rows, at the same B; below the smallest
+    and `points()`, the file and the plot keep the raw measurements. A lookup
+    for an unmeasured R interpolates linearly between the two nearest
+    measured rows, at the same B; below the smallest
     row it reads that row; past the largest it extrapolates with the last two
     rows' slope in R (floored at zero). Within a row, `CostTable`'s own rules
     (and below a row's first budget, its first slope backwards).
