@@ -181,7 +181,7 @@ def test_profile_measures_forward_and_drafting_apart(tmp_path):
     assert all(s < 0.03 for _, _, s in cost.forward.points())  # a tiny target's forward: well under 30 ms
     for b, s in out.table.points():
         fewest = -(-b // 5)
-        assert s == pytest.approx(cost.forward.seconds_per_step(b, fewest) + cost.draft.seconds_per_step(fewest))
+        assert s == pytest.approx(cost.forward.seconds_per_step(b, fewest) + cost.draft_seconds(fewest))  # D read through its fit
     again = profile_engine(target, drafter, model_id="tiny", settings=SMALL, home=tmp_path, progress=False)
     assert again.reused and again.cost.draft.points() == cost.draft.points()
     assert again.cost.forward.points() == cost.forward.points()
