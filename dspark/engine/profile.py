@@ -320,11 +320,9 @@ class StepBench:
         count = self.settings.repeats if repeats is None else repeats
         return statistics.median(self.step_seconds(lens, include_propose) for _ in range(count))
 
-    def measure_propose(self, count: int, repeats: int | None = None) -> float:
-        """Median seconds of `repeats` (default: settings.repeats) batched proposes for `count`
-        requests."""
-        times = self.settings.repeats if repeats is None else repeats
-        return statistics.median(self.propose_seconds(count) for _ in range(times))
+    def measure_propose(self, count: int) -> float:
+        """Median seconds of one batched propose for `count` requests."""
+        return statistics.median(self.propose_seconds(count) for _ in range(self.settings.repeats))
 
     def close(self) -> None:
         """Release the drafter states and the scratch cache."""
@@ -401,7 +399,7 @@ def profile_engine(
         forward, forward_reused = load_or_profile_grid(
             forward_key, lambda r, b: ready().measure(b, include_propose=False, requests=r, repeats=1), rows,
             path=path_of(forward_key), refresh=refresh, progress=progress, passes=settings.repeats)
-        draft = load_or_profile(draft_key, lambda r: ready().measure_propose(r, repeats=1), counts,
+        draft = load_or_profile(draft_key, lambda r: ready().propose_seconds(r), counts,
                                 path=path_of(draft_key), refresh=refresh, progress=progress,
                                 desc="profiling D(R)", passes=settings.repeats)
     finally:
