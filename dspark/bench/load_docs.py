@@ -3,6 +3,7 @@
     .venv/bin/python -m dspark.bench.load_docs [DSPARK_DRAFTER_DIR [MTP_DRAFTER_DIR]] [--only ARMS] [--name STEM] [--repeats N]
     .venv/bin/python -m dspark.bench.load_docs --arm NAME=DRAFTER:POLICY[:OPTION] [--arm ...] [--name STEM] [--repeats N]
         [--temperature T]
+    ... [--concurrency C,C,...] [--rates R,R,...] [--max-seconds S]
 
 In process, on the embedded SmolLM2-135M target (float32, CPU). Without
 drafter folders it measures no speculation against the model-free n-gram
@@ -12,6 +13,10 @@ paper's six arms. `--arm` (repeatable, the syntax of `dspark bench serve
 --arm`) runs the given arms instead, e.g. prompt lookup under each policy;
 their goal roles come from their policies (`roles_for`). `--temperature T`
 samples instead of decoding greedily, request i with seed i in every arm.
+`--concurrency` and `--rates` replace the docs' levels (closed loop at 1, 4
+and 16 clients) with the given closed-loop client counts and open-loop Poisson
+arrival rates (requests/s; either may be given alone); `--max-seconds` replaces
+the run's 2700 s bound (no level starts after it).
 """
 
 from __future__ import annotations
@@ -36,10 +41,13 @@ NGRAM = Arm("ngram-k7", "ngram", "fixed", k=7, block_size=7)
 def docs_run(dspark_drafter: str | None = None, mtp_drafter: str | None = None,
              out_dir: str | Path = "docs/figures", name: str = "load_cpu",
              only: list[str] | None = None, repeats: int | None = None,
-             arms: list[Arm] | None = None, temperature: float | None = None) -> LoadReport:
+             arms: list[Arm] | None = None, temperature: float | None = None,
+             concurrency: tuple[int, ...] | None = None, rates: tuple[float, ...] | None = None,
+             max_seconds: float | None = None) -> LoadReport:
     """The docs' load run; `only` keeps the named arms (a rerun of some arms after a change);
     `repeats` replaces the default 3 sweeps (more repeats, a tighter noise estimate); `arms`
-    replaces the arms the drafter folders give; `temperature` > 0 samples (seeded per request)."""
+    replaces the arms the drafter folders give; `temperature` > 0 samples (seeded per request);
+    `concurrency` and `rates` (either or both) replace the default levels; `max_seconds` the bound."""
     import dataclasses
 
     import torch
@@ -58,16 +66,59 @@ def docs_run(dspark_drafter: str | None = None, mtp_drafter: str | None = None,
         arms = [a for a in arms if a.name in only]
     command = " ".join([".venv/bin/python -m dspark.bench.load_docs", *map(shlex.quote, sys.argv[1:])])
     settings = DOCS_SETTINGS if repeats is None else dataclasses.replace(DOCS_SETTINGS, repeats=repeats)
+    if concurrency is not None or rates is not None:
+        settings = dataclasses.replace(settings, concurrency=tuple(concurrency or ()), rates=tuple(rates or ()))
+    if max_seconds is not None:
+        settings = dataclasses.replace(settings, max_seconds=max_seconds)
     if temperature:
         settings = dataclasses.replace(settings, sampling=dataclasses.replace(
             settings.sampling, temperature=temperature, seed=0))
     return run_load_bench(arms, settings, out_dir=out_dir, name=name, command=command)
 
 
+def _number_list(option: str, text: str, kind: type) -> tuple:
+    """A comma-separated list of positive numbers (`kind` int or float), or SystemExit naming the option."""
+    try:
+        values = tuple(kind(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        values = ()
+    if not values or any(v <= 0 for v in values):
+        what = "whole numbers >= 1" if kind is int else "numbers > 0"
+        raise SystemExit(f"{option} takes comma-separated {what}, e.g. {'1,4,16' if kind is int else '0.5,1,2'}; "
+                         f"got {text!r}")
+    return values
+
+
+def _keywords(options: dict[str, str]) -> dict:
+    """docs_run's keyword arguments from the options given (SystemExit on a bad value)."""
+    extra: dict = {}
+    if options["--repeats"]:
+        if not options["--repeats"].isdigit() or int(options["--repeats"]) < 1:
+            raise SystemExit(f"--repeats takes a whole number >= 1, got {options['--repeats']!r}")
+        extra["repeats"] = int(options["--repeats"])
+    if options["--temperature"]:
+        try:
+            temperature = float(options["--temperature"])
+        except ValueError:
+            temperature = -1.0
+        if not 0.0 <= temperature <= 2.0:
+            raise SystemExit(f"--temperature takes a number in [0, 2], got {options['--temperature']!r}")
+        extra["temperature"] = temperature
+    if options["--concurrency"]:
+        extra["concurrency"] = _number_list("--concurrency", options["--concurrency"], int)
+    if options["--rates"]:
+        extra["rates"] = _number_list("--rates", options["--rates"], float)
+    if options["--max-seconds"]:
+        extra["max_seconds"] = float(_number_list("--max-seconds", options["--max-seconds"], float)[0])
+    return extra
+
+
 def main(argv: list[str]) -> None:
-    """DSPARK_DIR [MTP_DIR] [--only ARM,ARM] [--name STEM] [--repeats N] [--arm NAME=DRAFTER:POLICY[:OPTION] ...] [--temperature T]
+    """DSPARK_DIR [MTP_DIR] [--only ARM,ARM] [--name STEM] [--repeats N] [--arm NAME=DRAFTER:POLICY[:OPTION] ...] [--temperature T] [--concurrency C,C] [--rates R,R] [--max-seconds S]
     (no argparse outside cli.py)."""
-    positional, options, arm_specs = [], {"--only": "", "--name": "load_cpu", "--repeats": "", "--temperature": ""}, []
+    positional, arm_specs = [], []
+    options = dict.fromkeys(("--only", "--name", "--repeats", "--temperature", "--concurrency", "--rates",
+                             "--max-seconds"), "")
     args = iter(argv)
     for arg in args:
         if arg in ("-h", "--help"):
@@ -79,33 +130,24 @@ def main(argv: list[str]) -> None:
             arm_specs.append(next(args, ""))
         elif arg.startswith("-"):
             raise SystemExit(f"unknown option {arg}; the options are --only ARM,ARM, --name STEM, --repeats N, "
-                             "--arm NAME=DRAFTER:POLICY[:OPTION] and --temperature T")
+                             "--arm NAME=DRAFTER:POLICY[:OPTION], --temperature T, --concurrency C,C, --rates R,R "
+                             "and --max-seconds S")
         else:
             positional.append(arg)
     if arm_specs and positional:
         raise SystemExit("give drafter folders or --arm, not both: --arm lists every arm of the run")
     only = [a for a in options["--only"].split(",") if a] or None
-    repeats = None
-    if options["--repeats"]:
-        if not options["--repeats"].isdigit() or int(options["--repeats"]) < 1:
-            raise SystemExit(f"--repeats takes a whole number >= 1, got {options['--repeats']!r}")
-        repeats = int(options["--repeats"])
+    extra = _keywords(options)
     from dspark.errors import UserError
 
     try:
         arms = [parse_arm(spec) for spec in arm_specs] or None
     except UserError as err:
         raise SystemExit(str(err)) from None
-    extra = {"arms": arms} if arms else {}
-    if options["--temperature"]:
-        try:
-            temperature = float(options["--temperature"])
-        except ValueError:
-            temperature = -1.0
-        if not 0.0 <= temperature <= 2.0:
-            raise SystemExit(f"--temperature takes a number in [0, 2], got {options['--temperature']!r}")
-        extra["temperature"] = temperature
-    docs_run(*positional[:2], name=options["--name"] or "load_cpu", only=only, repeats=repeats, **extra)
+    if arms:
+        extra["arms"] = arms
+    extra.setdefault("repeats", None)
+    docs_run(*positional[:2], name=options["--name"] or "load_cpu", only=only, **extra)
 
 
 if __name__ == "__main__":
