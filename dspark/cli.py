@@ -149,6 +149,15 @@ def _parser() -> argparse.ArgumentParser:
     bs.add_argument("--rates", default="", help="open-loop Poisson arrival rates (requests/s), comma separated")
     bs.add_argument("--max-new-tokens", type=int, default=64)
     bs.add_argument("--max-seconds", type=float, default=3600.0, help="no new level starts after this")
+    bs.add_argument("--repeats", type=int, default=1,
+                    help="sweeps over every level and arm, interleaved (2 or more give each point a noise estimate)")
+    bs.add_argument("--requests-per-client", type=int, default=2, help="closed loop: requests per client per level")
+    bs.add_argument("--level-seconds", type=float, default=120.0,
+                    help="wall-time limit of one (arm, level); requests still running are cancelled")
+    bs.add_argument("--bench", dest="prompt_sets", default="all",  # dest: args.bench names the bench subcommand
+                    help="prompt sets replayed: all | math | code | chat | gsm8k,mbpp,...")
+    bs.add_argument("--temperature", type=float, default=0.0,
+                    help="0 decodes greedily (lossless arms then generate identical tokens); > 0 samples, seeded per request")
     bs.add_argument("--out", default="runs/load", help="folder for JSON and plots")
     _add_target_args(bs)
     bt = bsub.add_parser("train-step", help="a recipe's training step per draft vocabulary size")
@@ -383,10 +392,18 @@ def _bench_serve(args) -> None:
     arms = [parse_arm(a) for a in args.arm]
     if args.dspark or args.mtp or not arms:
         arms += paper_arms(args.dspark, args.mtp)
-    rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
+    try:
+        rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
+    except ValueError:
+        raise UserError(f"--rates takes comma-separated numbers (requests/s), got {args.rates!r}") from None
+    if not 0.0 <= args.temperature <= 2.0:
+        raise UserError(f"--temperature must be in [0, 2], got {args.temperature}")
+    sampling = replace(SamplingSpec(), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       seed=0 if args.temperature > 0 else None)
     settings = LoadSettings(
         concurrency=_ints(args.concurrency, "--concurrency"), rates=rates, max_seconds=args.max_seconds,
-        sampling=replace(SamplingSpec(), max_new_tokens=args.max_new_tokens),
+        repeats=args.repeats, requests_per_client=args.requests_per_client, level_seconds=args.level_seconds,
+        bench=args.prompt_sets, sampling=sampling,
     )
     run_load_bench(arms, settings, target=args.target, home=args.home, dtype=args.dtype, cpu_kernels=args.cpu_kernels,
                    device=args.device, out_dir=args.out,

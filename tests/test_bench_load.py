@@ -227,3 +227,36 @@ def test_default_request_counts():
     assert LoadSettings(requests_per_client=1).num_requests("closed", 16) == 16
     assert s.num_requests("poisson", 0.1) == 8 and s.num_requests("poisson", 2.0) == 40
     assert LoadSettings(requests_per_level=5).num_requests("closed", 64) == 5
+
+
+def test_bench_serve_options_reach_the_settings(monkeypatch):
+    """`dspark bench serve`'s flags become the run's LoadSettings (repeats give goal checks their noise)."""
+    from dspark import cli
+    from dspark.bench import load
+
+    seen = {}
+    monkeypatch.setattr(load, "run_load_bench", lambda arms, settings, **kw: seen.update(arms=arms, settings=settings))
+    assert cli.main(["bench", "serve", "--arm", "a=none:none", "--concurrency", "1,8", "--rates", "0.5",
+                     "--repeats", "3", "--requests-per-client", "4", "--level-seconds", "30", "--bench", "math",
+                     "--temperature", "0.7", "--max-new-tokens", "16"]) == 0
+    s = seen["settings"]
+    assert (s.concurrency, s.rates, s.repeats, s.requests_per_client, s.level_seconds, s.bench) == (
+        (1, 8), (0.5,), 3, 4, 30.0, "math")
+    assert (s.sampling.temperature, s.sampling.seed, s.sampling.max_new_tokens) == (0.7, 0, 16)
+    assert [a.name for a in seen["arms"]] == ["a"]
+    cli.main(["bench", "serve", "--arm", "a=none:none"])
+    assert seen["settings"].repeats == 1 and seen["settings"].sampling.temperature == 0.0  # greedy by default
+    assert seen["settings"].sampling.seed is None
+
+
+@pytest.mark.parametrize("argv,message", [(["--rates", "0.5,fast"], "--rates takes comma-separated numbers"),
+                                          (["--temperature", "3"], "--temperature must be in"),
+                                          (["--repeats", "0"], "load setting repeats is out of range"),
+                                          (["--level-seconds", "0"], "load setting level_seconds is out of range")])
+def test_bench_serve_bad_options_exit_2_with_the_fix(monkeypatch, capsys, argv, message):
+    from dspark import cli
+    from dspark.bench import load
+
+    monkeypatch.setattr(load, "run_load_bench", lambda *a, **kw: pytest.fail("a run started"))
+    assert cli.main(["bench", "serve", "--arm", "a=none:none", *argv]) == 2
+    assert message in capsys.readouterr().err
