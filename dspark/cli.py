@@ -159,6 +159,7 @@ def _parser() -> argparse.ArgumentParser:
     bs.add_argument("--temperature", type=float, default=0.0,
                     help="0 decodes greedily (lossless arms then generate identical tokens); > 0 samples, seeded per request")
     bs.add_argument("--out", default="runs/load", help="folder for JSON and plots")
+    bs.add_argument("--name", default="load", help="file stem: OUT/NAME.json, OUT/NAME_throughput_vs_tps.png, ...")
     _add_target_args(bs)
     bt = bsub.add_parser("train-step", help="a recipe's training step per draft vocabulary size")
     bt.add_argument("config", help="training recipe, e.g. configs/dspark-960-t1-r256-5l-v8k.toml")
@@ -406,7 +407,7 @@ def _bench_serve(args) -> None:
         bench=args.prompt_sets, sampling=sampling,
     )
     run_load_bench(arms, settings, target=args.target, home=args.home, dtype=args.dtype, cpu_kernels=args.cpu_kernels,
-                   device=args.device, out_dir=args.out,
+                   device=args.device, out_dir=args.out, name=args.name,
                    command="dspark " + " ".join(sys.argv[1:]))
 
 

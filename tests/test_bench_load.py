@@ -235,15 +235,16 @@ def test_bench_serve_options_reach_the_settings(monkeypatch):
     from dspark.bench import load
 
     seen = {}
-    monkeypatch.setattr(load, "run_load_bench", lambda arms, settings, **kw: seen.update(arms=arms, settings=settings))
-    assert cli.main(["bench", "serve", "--arm", "a=none:none", "--concurrency", "1,8", "--rates", "0.5",
+    monkeypatch.setattr(load, "run_load_bench",
+                        lambda arms, settings, **kw: seen.update(arms=arms, settings=settings, name=kw["name"]))
+    assert cli.main(["bench", "serve", "--arm", "a=none:none", "--concurrency", "1,8", "--rates", "0.5", "--name", "x",
                      "--repeats", "3", "--requests-per-client", "4", "--level-seconds", "30", "--bench", "math",
                      "--temperature", "0.7", "--max-new-tokens", "16"]) == 0
     s = seen["settings"]
     assert (s.concurrency, s.rates, s.repeats, s.requests_per_client, s.level_seconds, s.bench) == (
         (1, 8), (0.5,), 3, 4, 30.0, "math")
     assert (s.sampling.temperature, s.sampling.seed, s.sampling.max_new_tokens) == (0.7, 0, 16)
-    assert [a.name for a in seen["arms"]] == ["a"]
+    assert [a.name for a in seen["arms"]] == ["a"] and seen["name"] == "x"
     cli.main(["bench", "serve", "--arm", "a=none:none"])
     assert seen["settings"].repeats == 1 and seen["settings"].sampling.temperature == 0.0  # greedy by default
     assert seen["settings"].sampling.seed is None
