@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt with speculative decoding")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--drafter", default="default", help="none | ngram | default | PATH to a drafter folder")
+    g.add_argument("--drafter", default="default", help="none | ngram | default | mtp1 | PATH to a drafter folder")
     g.add_argument("--block-size", type=int, default=None, help="draft tokens per round (model-free drafters)")
     g.add_argument("--policy", default="auto",
                    help="verify-length policy: auto (dspark for a drafter with a confidence head, else fixed), "
@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--drafter", default="default", help="none | ngram | default | PATH")
+    s.add_argument("--drafter", default="default", help="none | ngram | default | mtp1 | PATH")
     s.add_argument("--policy", default="dspark", help="none, fixed, threshold, dspark, dspark-async")
     s.add_argument("--threshold", type=float, default=0.5, help="survival threshold for --policy threshold")
     s.add_argument("--block-size", type=int, default=None, help="draft tokens per round (model-free drafters)")
@@ -143,8 +143,8 @@ def _parser() -> argparse.ArgumentParser:
     bs = bsub.add_parser("serve", help="load generator: throughput vs per-user speed per arm")
     bs.add_argument("--arm", action="append", default=[],
                     help="NAME=DRAFTER:POLICY[:k|threshold] (in-process) or NAME=http://127.0.0.1:PORT; repeatable")
-    bs.add_argument("--dspark", default=None, help="trained DSpark drafter folder: adds the paper's arms")
-    bs.add_argument("--mtp", default=None, help="trained MTP-1 drafter folder for the mtp1 arm")
+    bs.add_argument("--dspark", default=None, help="trained DSpark drafter (default, or a folder): adds the paper's arms")
+    bs.add_argument("--mtp", default=None, help="trained MTP-1 drafter for the mtp1 arm: mtp1 (the shipped one) or a folder")
     bs.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="closed-loop client counts")
     bs.add_argument("--rates", default="", help="open-loop Poisson arrival rates (requests/s), comma separated")
     bs.add_argument("--max-new-tokens", type=int, default=64)

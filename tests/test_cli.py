@@ -108,6 +108,29 @@ def test_default_drafter_with_auto_policy_prints_the_greedy_tokens_of_none(capsy
 
 
 @pytest.mark.slow
+def test_shipped_mtp1_drafter_prints_the_greedy_tokens_of_none(capsys):
+    """`--drafter mtp1` (the shipped MTP-1 baseline: no confidences, so every drafted token is
+    verified) gives exactly plain greedy decoding's tokens, and its drafts are accepted sometimes."""
+    outs = _greedy_json(capsys, ("mtp1", "none"), "Write a Python function that adds two numbers.", 40)
+    assert outs[0]["token_ids"] == outs[1]["token_ids"] and outs[0]["num_generated"] == 40
+    assert outs[0]["stats"]["draft_tokens"] > 0 and outs[0]["stats"]["accepted_tokens"] > 0
+
+
+def test_shipped_drafter_names_are_for_the_embedded_target_only(capsys):
+    """`default` falls back to prompt lookup for another target; `mtp1` names a drafter trained
+    for the embedded model only, so another target gets an error that says to pass a folder."""
+    from dspark.draft.registry import load_drafter
+    from dspark.errors import UserError
+    from dspark.models.tiny import tiny_target
+
+    target = tiny_target(seed=0)
+    with pytest.raises(UserError, match="trained for the embedded SmolLM2-135M-Instruct target only; pass the path"):
+        load_drafter("mtp1", target, embedded=False)
+    assert load_drafter("default", target, embedded=False).name == "ngram"
+    capsys.readouterr()  # the fallback's notice
+
+
+@pytest.mark.slow
 def test_greedy_tokens_are_the_same_with_and_without_the_cpu_kernel(capsys):
     """Plain greedy decoding on torch's matmuls (`--no-cpu-kernel`) and speculative greedy
     decoding (prompt lookup) on the C kernel print the same tokens on the embedded model."""

@@ -234,22 +234,26 @@ def test_interrupted_save_is_detected(tmp_path, monkeypatch):
     assert not list(tmp_path.glob(".*tmp*"))
 
 
-def test_shipped_default_drafter_is_complete_and_small():
-    """The committed default drafter: DSpark, block 7, calibrated, fp16, at most
-    40 MB, and its weights are the ones config.json records (size and sha256)."""
+@pytest.mark.parametrize("name,kind,block,calibrated", [("smollm2-135m-dspark", "dspark", 7, True),
+                                                          ("smollm2-135m-mtp1", "mtp", 1, False)])
+def test_shipped_drafters_are_complete_and_small(name, kind, block, calibrated):
+    """The committed drafters (the DSpark default, calibrated, and the MTP-1 baseline): their kind
+    and block, fp16, at most 40 MB, and their weights are the ones config.json records (size and
+    sha256)."""
     import hashlib
     import json
 
     from dspark.draft.registry import SHIPPED_DIR
 
-    folder = SHIPPED_DIR / "smollm2-135m-dspark"
+    folder = SHIPPED_DIR / name
     if not folder.is_dir():
         pytest.skip("no shipped drafter in this checkout")
     config = json.loads((folder / "config.json").read_text())
     weights = folder / "model.safetensors"
-    assert config["drafter_type"] == "dspark" and config["block_size"] == 7
+    assert config["drafter_type"] == kind and config["block_size"] == block
     assert config["torch_dtype"] == "float16" and weights.stat().st_size <= 40e6
-    assert len(config["calibration_temperatures"]) == 7
+    if calibrated:
+        assert len(config["calibration_temperatures"]) == 7
     record = config["dspark_weights"]
     assert record["bytes"] == weights.stat().st_size
     assert record["sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()

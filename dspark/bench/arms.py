@@ -29,7 +29,7 @@ class Arm:
     """One configuration under test."""
 
     name: str
-    drafter: str = "none"  # in process: none | ngram | default | a drafter folder
+    drafter: str = "none"  # in process: none | ngram | default | mtp1 | a drafter folder
     policy: str = "none"  # none | fixed | threshold | dspark | dspark-async ("" for a URL arm)
     k: int | None = None  # fixed: verify length (None: the drafter's block size)
     threshold: float = 0.5  # threshold policy: survival threshold in [0, 1]

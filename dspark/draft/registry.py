@@ -1,5 +1,6 @@
 """Turn a `--drafter` value into a Drafter: `none`, `ngram`, `default` (the
-shipped DSpark drafter for the embedded target) or a drafter folder."""
+shipped DSpark drafter for the embedded target), `mtp1` (the shipped MTP-1
+baseline for it, trained on the same data and budget) or a drafter folder."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from dspark.errors import UserError
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "assets" / "drafters"
 DEFAULT_DRAFTER = "smollm2-135m-dspark"
+SHIPPED = {"default": DEFAULT_DRAFTER, "mtp1": "smollm2-135m-mtp1"}  # --drafter name -> folder in SHIPPED_DIR
 
 
-def shipped_default() -> Path | None:
-    """Folder of the shipped default drafter, if this install has one."""
-    folder = SHIPPED_DIR / DEFAULT_DRAFTER
+def shipped_default(name: str = "default") -> Path | None:
+    """Folder of the shipped drafter `name` (`SHIPPED`), if this install has one."""
+    folder = SHIPPED_DIR / SHIPPED[name]
     return folder if (folder / "config.json").is_file() else None
 
 
@@ -39,10 +41,17 @@ def load_drafter(spec: str, target, *, block_size: int | None = None, embedded: 
             )
             return NgramDrafter(block_size=block_size or 7)
         spec = str(folder)
+    elif spec in SHIPPED:
+        folder = shipped_default(spec) if embedded else None
+        if folder is None:
+            raise UserError(f"the shipped {spec} drafter is trained for the embedded SmolLM2-135M-Instruct target "
+                            f"{'and is not in this install' if embedded else 'only'}; pass the path of a drafter "
+                            "folder trained for this target")
+        spec = str(folder)
     path = Path(spec).expanduser()
     if not path.exists():
         raise UserError(
-            f"unknown drafter {spec!r}: use none, ngram, default, or the path of a drafter folder"
+            f"unknown drafter {spec!r}: use none, ngram, default, mtp1, or the path of a drafter folder"
         )
     from dspark.draft.checkpoint import load_drafter_folder  # learned drafters need model code
 

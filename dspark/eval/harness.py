@@ -194,7 +194,7 @@ def parse_drafters(drafters: str | Sequence[str], baseline: bool) -> list[str]:
     specs = [s.strip() for s in (drafters.split(",") if isinstance(drafters, str) else drafters)]
     specs = [s for s in specs if s]
     if not specs:
-        raise UserError("no drafter given: pass --drafter none, ngram, default or PATH[,PATH...]")
+        raise UserError("no drafter given: pass --drafter none, ngram, default, mtp1 or PATH[,PATH...]")
     labels = [drafter_label(s) for s in specs]
     dupes = sorted({x for x in labels if labels.count(x) > 1})
     if dupes:
