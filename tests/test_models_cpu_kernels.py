@@ -64,7 +64,7 @@ def _on_grid(shape: tuple[int, int], grid: str, seed: int) -> torch.Tensor:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 27, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 27, 32])
 @pytest.mark.parametrize("grid,fmt", [("q4_1", "q4"), ("q8_0", "q8")])
 def test_block_quantized_records_give_the_float32_panels_results_bit_for_bit(rows: int, grid: str, fmt: str) -> None:
     """Weights that are exactly a Q4_1 or Q8_0 model's (the embedded target's layers and head)

@@ -149,8 +149,9 @@ def hardware_id(device: torch.device | str = "cpu") -> str:
 
 # bumped when a change to the runtime or the drafters changes step times, so that profiles
 # cached by an older dspark are measured again instead of reused
-RUNTIME_REVISION = 7  # 5: attention in parts by query length; budgets on both sides of row-group edges;
-#                       6: the forward measured over (requests, tokens); 7: repeats taken in passes
+RUNTIME_REVISION = 8  # 5: attention in parts by query length; budgets on both sides of row-group edges;
+#                       6: the forward measured over (requests, tokens); 7: repeats taken in passes;
+#                       8: the block-quantized kernel takes 2-8 rows one panel at a time
 
 
 def profile_key(

@@ -198,14 +198,20 @@ static inline __attribute__((always_inline)) void pair_q8(const uint8_t *rec, in
     }
 
 /* x [rows, in] (in a multiple of 32), wp [ceil(out / 8)][in / 32][record], b [out] or NULL,
- * y [rows, out] */
+ * y [rows, out]. One row takes 8 panels at a time (8 independent FMA chains while the weights
+ * stream in); 2-8 rows take one panel at a time. Blocks of 2-4 panels for 2-6 rows were measured
+ * slower inside a real forward, where the weights come from memory, than one panel at a time:
+ * the embedded target's forward of 4 rows took 54-56 ms with them and 33-38 ms without, of 4
+ * one-row requests 62-64 against 37-39 ms (1 thread; 2 threads: 32-35 against 22-24 ms for 4
+ * rows), so a step verifying a few tokens cost up to twice a decode step instead of 1.1-1.3x
+ * (docs/BENCHMARKS.md, session 22). The results are the same either way: a block size only
+ * groups outputs, each output's FMA chain is unchanged. */
 #define QKERNEL(T, NAME)                                                                           \
     QBLOCK(T, 1, 1) QBLOCK(T, 2, 1) QBLOCK(T, 3, 1) QBLOCK(T, 4, 1)                                \
     QBLOCK(T, 5, 1) QBLOCK(T, 6, 1) QBLOCK(T, 7, 1) QBLOCK(T, 8, 1)                                \
-    QBLOCK(T, 1, 8) QBLOCK(T, 2, 4) QBLOCK(T, 3, 3) QBLOCK(T, 4, 2)                                \
-    QBLOCK(T, 5, 2) QBLOCK(T, 6, 2)                                                                \
-    SPAN(T, uint8_t, 1, 8) SPAN(T, uint8_t, 2, 4) SPAN(T, uint8_t, 3, 3) SPAN(T, uint8_t, 4, 2)    \
-    SPAN(T, uint8_t, 5, 2) SPAN(T, uint8_t, 6, 2) SPAN(T, uint8_t, 7, 1) SPAN(T, uint8_t, 8, 1)    \
+    QBLOCK(T, 1, 8)                                                                                \
+    SPAN(T, uint8_t, 1, 8) SPAN(T, uint8_t, 2, 1) SPAN(T, uint8_t, 3, 1) SPAN(T, uint8_t, 4, 1)    \
+    SPAN(T, uint8_t, 5, 1) SPAN(T, uint8_t, 6, 1) SPAN(T, uint8_t, 7, 1) SPAN(T, uint8_t, 8, 1)    \
     typedef void (*span_##T##_fn)(const float *, const uint8_t *, const float *, float *, long,    \
                                   long, long, long);                                               \
     static const span_##T##_fn SPANS_##T[ROW_GROUP + 1] = {0, span_##T##_1, span_##T##_2,          \
