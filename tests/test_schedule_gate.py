@@ -333,3 +333,64 @@ def test_spread_proposal_lays_a_subsets_rows_over_the_batch():
     assert full.confidences.tolist() == [[0, 0], [0.5, 0.25], [0, 0], [0.75, 0.5]]
     point_masses = spread_proposal(DraftProposal(torch.tensor([[3]]), torch.tensor([1])), [0], 2)
     assert point_masses.draft_probs is None and point_masses.confidences is None
+
+
+def test_measured_step_times_reprice_drafted_and_plain_steps_apart():
+    """F(B) = 50 + 5 (B - 1) ms, D(R) = 20 R ms, one request with curve (0.6, 0.36, 0.216):
+    the profile's best drafted step, verify 3, is 2.176 / (65 + 20) ms = 25.6 tok/s against
+    plain 1 / 50 ms = 20: draft. Drafted steps measured at 1.5x their price (a cost the profile
+    does not see) make it 17.1 tok/s: skip. Plain steps measured at 1.5x as well put both kinds
+    back on the same footing: draft again."""
+    from dspark.schedule import StepTiming
+    from dspark.schedule.gate import COST_DECAY, PRIOR_STEPS
+
+    gate = DraftGate(_split(50, 5, 20))
+    gate.record([_req("a", [0.6, 0.6, 0.6])])
+    assert gate.cost_ratio("plain") == gate.cost_ratio("drafted") == 1.0
+    assert gate.best_drafts([[0.6, 0.36, 0.216]]) == [True]
+    for _ in range(40):  # one drafted request verifying 3 tokens (B = 4), priced 85 ms, took 127.5
+        gate.observe_step(StepTiming(requests=1, drafted=1, budget=4, seconds=0.1275))
+    n = sum(COST_DECAY ** k for k in range(40))
+    assert gate.cost_ratio("drafted") == pytest.approx((1.5 * n + PRIOR_STEPS) / (n + PRIOR_STEPS))
+    assert gate.cost_ratio("plain") == 1.0
+    assert gate.best_drafts([[0.6, 0.36, 0.216]]) == [False] and gate.choose(["a"]) == [False]
+    for _ in range(40):  # plain steps priced 50 ms, took 75
+        gate.observe_step(StepTiming(requests=1, drafted=0, budget=1, seconds=0.075))
+    assert gate.cost_ratio("plain") == pytest.approx(gate.cost_ratio("drafted"))
+    assert gate.best_drafts([[0.6, 0.36, 0.216]]) == [True]
+
+
+def test_one_outlying_step_moves_a_cost_ratio_by_a_clipped_amount():
+    """A step 100x its price (the process paused, say) counts as 4x, once."""
+    from dspark.schedule import StepTiming
+    from dspark.schedule.gate import PRIOR_STEPS, RATIO_CLIP
+
+    gate = DraftGate(_split(50, 5, 20))
+    gate.observe_step(StepTiming(requests=1, drafted=0, budget=1, seconds=5.0))
+    assert gate.cost_ratio("plain") == pytest.approx((RATIO_CLIP[1] + PRIOR_STEPS) / (1 + PRIOR_STEPS))
+    with pytest.raises(ValueError, match="inconsistent step timing"):
+        StepTiming(requests=2, drafted=3, budget=4, seconds=0.1)
+    with pytest.raises(ValueError, match="inconsistent step timing"):
+        StepTiming(requests=2, drafted=1, budget=4, seconds=0.0)
+
+
+def test_the_engine_reports_decode_only_steps_to_a_policy_that_prices_them():
+    """Every decode-only step reaches `observe_step` with its requests, drafted requests and
+    verified tokens; a step that carries a prompt chunk does not (its time is not the price of
+    the decode step the gate chooses)."""
+    from drafters_for_tests import BigramDrafter
+
+    target = tiny_target(seed=0)
+    policy = PrefixScheduler(_split(50, 5, 20))
+    seen = []
+    policy.observe_step = seen.append
+    drafter = BigramDrafter(target.config.vocab_size, block_size=3, seed=1)
+    engine = Engine(target, drafter, policy, EngineConfig(max_running=2, max_seq_len=64))
+    engine.add_request([1, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_new_tokens=6))
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    assert 0 < len(seen) < steps  # the first step was the prompt's
+    assert all(t.requests == 1 and t.budget >= 1 and t.seconds > 0 for t in seen)
+    assert all(t.budget == 1 for t in seen if t.drafted == 0)

@@ -23,7 +23,7 @@ from dspark.engine.batcher import Batcher, BatchLimits, StepPlan
 from dspark.engine.forward import StepBatch, build_step_batch
 from dspark.engine.request import Request, Status
 from dspark.errors import UserError
-from dspark.schedule import ScheduleOutcome, ScheduleRequest, VerifyPolicy, expected_accepted
+from dspark.schedule import ScheduleOutcome, ScheduleRequest, StepTiming, VerifyPolicy, expected_accepted
 from dspark.types import DraftProposal, SamplingParams, VerifyResult
 from dspark.verify import verify
 
@@ -140,9 +140,19 @@ class Engine:
         batch = build_step_batch(plan, proposal, verify_lens, self.drafter.block_size)
         result, hidden = self._verify(batch)
         outputs = self._commit(plan, batch, result, hidden)
+        seconds = time.perf_counter() - start
         self.num_steps += 1
-        self.step_seconds += time.perf_counter() - start
+        self.step_seconds += seconds
+        self._report_timing(plan, proposal, verify_lens, seconds)
         return outputs
+
+    def _report_timing(self, plan: StepPlan, proposal: DraftProposal, verify_lens: list[int], seconds: float) -> None:
+        """Tell a policy that prices steps (`observe_step`) what a decode-only step cost."""
+        observe = getattr(self.policy, "observe_step", None)
+        if observe is None or plan.prefill or not plan.decode:
+            return
+        drafted = int((proposal.num_drafted > 0).sum())
+        observe(StepTiming(len(plan.decode), drafted, len(plan.decode) + sum(verify_lens), seconds))
 
     # --------------------------------------------------------------- stages
     def _draft(self, decoding: list[Request]) -> DraftProposal:

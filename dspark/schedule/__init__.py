@@ -5,7 +5,14 @@ No model code and no torch here: the engine hands in `ScheduleRequest`s
 from `policy.decide`, and reports outcomes with `policy.commit`.
 """
 
-from dspark.schedule.base import ScheduleOutcome, ScheduleRequest, VerifyPolicy, expected_accepted, survival
+from dspark.schedule.base import (
+    ScheduleOutcome,
+    ScheduleRequest,
+    StepTiming,
+    VerifyPolicy,
+    expected_accepted,
+    survival,
+)
 from dspark.schedule.cost import CostKey, CostKeyMismatch, CostTable, budget_grid, profile_points, settings_fingerprint
 from dspark.schedule.policies import (
     POLICY_NAMES,
@@ -31,6 +38,7 @@ __all__ = [
     "ScheduleOutcome",
     "ScheduleRequest",
     "StaticThreshold",
+    "StepTiming",
     "VerifyPolicy",
     "budget_grid",
     "expected_accepted",

@@ -62,6 +62,21 @@ class ScheduleOutcome:
             )
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    """One decode-only engine step as the engine timed it (no prompt chunk in it): what a policy
+    that prices steps with a cost profile can check its prices against."""
+
+    requests: int  # decoding requests in the step (R)
+    drafted: int  # of them, requests that drafted (R'; 0: a plain decode step)
+    budget: int  # tokens the target verified for them: R plus the verified draft tokens (B)
+    seconds: float  # the whole step, wall clock
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.drafted <= self.requests <= self.budget) or self.requests < 1 or not self.seconds > 0:
+            raise ValueError(f"inconsistent step timing {self}")
+
+
 @runtime_checkable
 class VerifyPolicy(Protocol):
     """Chooses verify lengths; the engine calls decide, verifies, then commit."""

@@ -30,6 +30,15 @@ offline. The gate compares what they promised with what the verifier
 accepted on recent drafted rounds (decayed sums) and scales the curves by
 realised / predicted, so an over-confident head stops opening the gate.
 
+Cost drift: the profile prices a step on synthetic batches, measured once; a serving step can
+cost otherwise (a drafted step of ragged requests, the verifier and commit of more rows, a busier
+machine). The engine reports every decode-only step's wall time (`observe_step`), and the gate
+keeps, for plain and for drafted steps apart, a decayed mean of measured / priced
+(`cost_ratio`) and prices each kind with its own ratio. Measured (docs/LOAD.md, run U): at 16
+clients the profile priced a step verifying 18 tokens at 128 ms, 1 ms above a plain one, while the
+engine's took 152 ms against 121, so the gate drafted two requests in 12 % of the steps and lost
+12 % throughput to no speculation.
+
 Exploration: curves only refresh when a request drafts. A request with no
 curve yet (it just started decoding) stands in with the mean of the last
 `history` curves recorded from any request (the asynchronous scheduler's
@@ -73,10 +82,13 @@ import math
 from collections import deque
 from collections.abc import Hashable, Sequence
 
-from dspark.schedule.base import ScheduleOutcome, ScheduleRequest, survival
+from dspark.schedule.base import ScheduleOutcome, ScheduleRequest, StepTiming, survival
 from dspark.schedule.cost import SplitCost
 
 PRIOR_TOKENS = 4.0  # pseudo-count pulling the acceptance ratio towards 1 while few outcomes are in
+PRIOR_STEPS = 2.0  # pseudo-count pulling each cost ratio towards 1 while few steps are timed
+COST_DECAY = 0.95  # per timed step of a kind: a cost ratio follows about the last 20 steps of its kind
+RATIO_CLIP = (0.25, 4.0)  # one step's measured / priced is clipped here (a pause of the process is not a price)
 
 
 class DraftGate:
@@ -108,6 +120,9 @@ class DraftGate:
         self.steps = 0
         self.blind = False  # a drafted request came back without confidences: no curves to be had
         self.probed = False  # the last choice included probes
+        # measured / priced seconds of recent decode-only steps (decayed sums and counts), per kind
+        self.cost_sums = {"plain": 0.0, "drafted": 0.0}
+        self.cost_counts = {"plain": 0.0, "drafted": 0.0}
 
     def choose(self, request_ids: Sequence[Hashable]) -> list[bool]:
         """Which of these requests draft this step (in order)."""
@@ -171,9 +186,22 @@ class DraftGate:
             self.realised = self.decay * self.realised + o.num_accepted
             self.predicted = self.decay * self.predicted + sum(curve[: o.verify_len])
 
+    def observe_step(self, timing: StepTiming) -> None:
+        """After a decode-only step: compare its wall time with the profile's price of it."""
+        priced = self.cost.seconds(timing.budget, timing.requests, drafted=timing.drafted)
+        ratio = min(RATIO_CLIP[1], max(RATIO_CLIP[0], timing.seconds / priced))
+        kind = "drafted" if timing.drafted else "plain"
+        self.cost_sums[kind] = COST_DECAY * self.cost_sums[kind] + ratio
+        self.cost_counts[kind] = COST_DECAY * self.cost_counts[kind] + 1.0
+
+    def cost_ratio(self, kind: str) -> float:
+        """Measured / priced seconds of recent `kind` ("plain" or "drafted") steps, a decayed mean
+        plus PRIOR_STEPS steps at 1 (so it starts at 1: the profile as measured)."""
+        return (self.cost_sums[kind] + PRIOR_STEPS) / (self.cost_counts[kind] + PRIOR_STEPS)
+
     def plain_rate(self, requests: int) -> float:
         """Tokens per second of one plain decode step of `requests` requests."""
-        return requests / self.cost.seconds(requests, requests, drafted=False)
+        return requests / (self.cost.seconds(requests, requests, drafted=False) * self.cost_ratio("plain"))
 
     def drafted_rate(self, curves: Sequence[Sequence[float]]) -> float:
         """The best expected tokens per second of a drafted step whose requests have these
@@ -184,7 +212,7 @@ class DraftGate:
         curve = self.cost.given_requests(r)
         cands = ranked_candidates(curves)
         n = greedy_walk(cands, curve, r, r, early_stop=False)
-        return (r + sum(a for _, _, a in cands[:n])) * curve.sps(r + n)
+        return (r + sum(a for _, _, a in cands[:n])) * curve.sps(r + n) / self.cost_ratio("drafted")
 
     def best_drafts(self, curves: Sequence[Sequence[float]]) -> list[bool]:
         """The requests to draft for the highest expected tokens per second: walk the admission
@@ -195,11 +223,11 @@ class DraftGate:
         r = len(curves)
         best_rate, best_reached = self.plain_rate(r), frozenset()
         reached: set[int] = set()
-        accepts = float(r)
+        accepts, drafted_ratio = float(r), self.cost_ratio("drafted")
         for n, (request, _, a) in enumerate(ranked_candidates(curves), start=1):
             reached.add(request)
             accepts += a
-            rate = accepts / self.cost.seconds(r + n, r, drafted=len(reached))
+            rate = accepts / (self.cost.seconds(r + n, r, drafted=len(reached)) * drafted_ratio)
             if rate > best_rate:
                 best_rate, best_reached = rate, frozenset(reached)
         return [i in best_reached for i in range(r)]

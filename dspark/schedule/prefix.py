@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from dspark.schedule.base import ScheduleOutcome, ScheduleRequest, survival
+from dspark.schedule.base import ScheduleOutcome, ScheduleRequest, StepTiming, survival
 from dspark.schedule.cost import CostTable, SplitCost, curve_for
 from dspark.schedule.gate import DraftGate
 
@@ -151,6 +151,11 @@ class PrefixScheduler:
         if self.gate is not None:
             self.gate.observe_outcomes(outcomes)
 
+    def observe_step(self, timing: StepTiming) -> None:
+        """A decode-only step's wall time, for the draft gate's cost ratios."""
+        if self.gate is not None:
+            self.gate.observe_step(timing)
+
 
 class RetrospectivePrefixScheduler(PrefixScheduler):
     """NEGATIVE CONTROL, NOT FOR SERVING: Algorithm 1 without the early stop.
@@ -265,6 +270,11 @@ class AsyncPrefixScheduler:
         compares outcomes with the curves."""
         if self.gate is not None:
             self.gate.observe_outcomes(outcomes)
+
+    def observe_step(self, timing: StepTiming) -> None:
+        """A decode-only step's wall time, for the draft gate's cost ratios."""
+        if self.gate is not None:
+            self.gate.observe_step(timing)
 
 
 def _drafted(requests: Sequence[ScheduleRequest]) -> int:
