@@ -14,7 +14,7 @@ import torch
 from dspark.bench.arms import Arm, paper_arms, parse_arm
 from dspark.bench.clients import SamplingSpec, loopback_url
 from dspark.bench.load import LoadSettings, arm_order, load_prompts, run_load_bench
-from dspark.bench.load_report import GoalRoles, check_goals, roles_for
+from dspark.bench.load_report import GoalRoles, LoadReport, check_goals, frontier, roles_for
 from dspark.bench.loadgen import poisson_offsets
 from dspark.draft.checkpoint import save_drafter
 from dspark.draft.factory import build_drafter
@@ -78,6 +78,9 @@ def test_six_paper_arms_in_process_closed_and_poisson(tmp_path):
         assert open(data["files"][key], "rb").read(4) == PNG
     assert {g["arm"] for g in data["goals"]} == {"dspark", "dspark-async"}
     assert all(g["status"] in ("met", "missed", "not measurable") for g in data["goals"])
+    # a rescore reads the points back and recomputes the same summary and goals
+    again = LoadReport.read(tmp_path / "out" / "tiny.json")
+    assert again.summary == data["summary"] and again.goals == data["goals"] and again.points == report.points
 
 
 def test_arm_order_varies_position_and_predecessor_over_repeats():
@@ -195,6 +198,25 @@ def test_goals_on_fabricated_rows():
     assert missing[1]["status"] == "not measurable" and "no drafter" in missing[1]["why"]
 
 
+def test_frontier_drops_points_beaten_on_both_axes():
+    # past saturation more clients lower both throughput and tokens/s/user
+    points = [(34, 39), (49, 30), (78, 27), (99, 17), (93, 8), (88, 4), (86, 2)]
+    assert frontier(points) == [(34, 39), (49, 30), (78, 27), (99, 17)]
+    assert frontier([(10, 5), (10, 7), (12, 3)]) == [(10, 7), (12, 3)]
+
+
+def test_matched_speed_ignores_saturated_points():
+    roles = GoalRoles(schedulers=("dspark",))
+    rows = [_row("dspark", 1, 34, 39), _row("dspark", 8, 99, 17), _row("dspark", 64, 86, 2),
+            _row("mtp1", 1, 38, 44), _row("mtp1", 8, 83, 16), _row("mtp1", 32, 79, 3)]
+    matched = check_goals(rows, [], roles)[1]
+    # mtp1 frontier (38, 44), (83, 16); the scheduler's (34, 39) -> (99, 17): 39 - 22 * 4/65 at 38 tok/s,
+    # 39 - 22 * 49/65 at 83; the saturated (86, 2) and mtp1's (79, 3) are not compared
+    assert [c["throughput"] for c in matched["checks"]] == [38, 83]
+    assert matched["min_ratio"] == pytest.approx((39 - 22 * 4 / 65) / 44)
+    assert matched["checks"][1]["ratio"] == pytest.approx((39 - 22 * 49 / 65) / 16)
+
+
 def test_goal_roles_come_from_the_arms_policies():
     assert roles_for([a.as_dict() for a in paper_arms("d", "m")]) == GoalRoles()
     ngram = [parse_arm(s).as_dict() for s in ("plain=none:none", "ng2=ngram:fixed:2", "ng7=ngram:fixed:7",
@@ -261,3 +283,13 @@ def test_bench_serve_bad_options_exit_2_with_the_fix(monkeypatch, capsys, argv, 
     monkeypatch.setattr(load, "run_load_bench", lambda *a, **kw: pytest.fail("a run started"))
     assert cli.main(["bench", "serve", "--arm", "a=none:none", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_rescore_refuses_a_file_that_is_not_a_load_report(tmp_path):
+    from dspark.errors import UserError
+
+    (tmp_path / "other.json").write_text('{"kind": "dspark-offline"}')
+    with pytest.raises(UserError, match="not a dspark load report"):
+        LoadReport.read(tmp_path / "other.json")
+    with pytest.raises(UserError, match="cannot read the load report"):
+        LoadReport.read(tmp_path / "missing.json")

@@ -16,7 +16,9 @@ samples instead of decoding greedily, request i with seed i in every arm.
 `--concurrency` and `--rates` replace the docs' levels (closed loop at 1, 4
 and 16 clients) with the given closed-loop client counts and open-loop Poisson
 arrival rates (requests/s; either may be given alone); `--max-seconds` replaces
-the run's 2700 s bound (no level starts after it).
+the run's 2700 s bound (no level starts after it). `--rescore REPORT.json`
+recomputes a written report's summary, goals and figures with the current
+code, without measuring anything.
 """
 
 from __future__ import annotations
@@ -113,12 +115,26 @@ def _keywords(options: dict[str, str]) -> dict:
     return extra
 
 
+def rescore(path: str) -> LoadReport:
+    """Recompute a written report's summary, goals and figures with this code, in place, and print
+    its table (the measured points are not touched)."""
+    from dspark.errors import UserError
+
+    try:
+        report = LoadReport.read(path)
+    except UserError as err:
+        raise SystemExit(str(err)) from None
+    report.write(Path(path).parent, Path(path).stem)
+    print(report.markdown())
+    return report
+
+
 def main(argv: list[str]) -> None:
-    """DSPARK_DIR [MTP_DIR] [--only ARM,ARM] [--name STEM] [--repeats N] [--arm NAME=DRAFTER:POLICY[:OPTION] ...] [--temperature T] [--concurrency C,C] [--rates R,R] [--max-seconds S]
+    """DSPARK_DIR [MTP_DIR] [--only ARM,ARM] [--name STEM] [--repeats N] [--arm NAME=DRAFTER:POLICY[:OPTION] ...] [--temperature T] [--concurrency C,C] [--rates R,R] [--max-seconds S] | --rescore REPORT.json
     (no argparse outside cli.py)."""
     positional, arm_specs = [], []
     options = dict.fromkeys(("--only", "--name", "--repeats", "--temperature", "--concurrency", "--rates",
-                             "--max-seconds"), "")
+                             "--max-seconds", "--rescore"), "")
     args = iter(argv)
     for arg in args:
         if arg in ("-h", "--help"):
@@ -130,10 +146,13 @@ def main(argv: list[str]) -> None:
             arm_specs.append(next(args, ""))
         elif arg.startswith("-"):
             raise SystemExit(f"unknown option {arg}; the options are --only ARM,ARM, --name STEM, --repeats N, "
-                             "--arm NAME=DRAFTER:POLICY[:OPTION], --temperature T, --concurrency C,C, --rates R,R "
-                             "and --max-seconds S")
+                             "--arm NAME=DRAFTER:POLICY[:OPTION], --temperature T, --concurrency C,C, --rates R,R, "
+                             "--max-seconds S and --rescore REPORT.json")
         else:
             positional.append(arg)
+    if options["--rescore"]:
+        rescore(options["--rescore"])
+        return
     if arm_specs and positional:
         raise SystemExit("give drafter folders or --arm, not both: --arm lists every arm of the run")
     only = [a for a in options["--only"].split(",") if a] or None

@@ -9,11 +9,14 @@ Goals (paper 5.3-5.4, as the project states them):
      standard deviation of a difference of two single measurements,
      sqrt(sd_sched^2 + sd_best^2), from the repeats (1 repeat: no noise
      estimate, the margin must be >= 0);
-  2. at matched aggregate throughput, per-user speed >= 1.6x MTP-1's: at
-     every MTP-1 closed-loop point whose throughput lies inside the
-     scheduler's measured throughput range, the scheduler's tokens/s/user is
-     interpolated (linearly, along its points sorted by throughput) and
-     divided by MTP-1's.
+  2. at matched aggregate throughput, per-user speed >= 1.6x MTP-1's. Each
+     arm's closed-loop points are cut to their frontier (the points no other
+     point of the same arm beats on both throughput and tokens/s/user; past
+     saturation more clients only lower both, and such points are not a
+     speed the arm offers at that throughput). At every MTP-1 frontier point
+     whose throughput lies inside the scheduler's frontier range, the
+     scheduler's tokens/s/user is interpolated linearly along its frontier
+     and divided by MTP-1's.
 """
 
 from __future__ import annotations
@@ -134,16 +137,26 @@ def _interp(x: float, xs: list[float], ys: list[float]) -> float:
     return ys[0] if x <= xs[0] else ys[-1]
 
 
+def frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (throughput, tokens/s/user) points no other point beats on both,
+    sorted by throughput (so tokens/s/user falls along them)."""
+    out: list[tuple[float, float]] = []
+    for t, u in sorted(points, key=lambda p: (-p[0], -p[1])):
+        if not out or u > out[-1][1]:
+            out.append((t, u))
+    return out[::-1]
+
+
 def matched_speed_goal(rows: list[dict], scheduler: str, roles: GoalRoles) -> dict:
     """Goal 2 for one scheduler arm (see the module docstring)."""
     def curve(arm: str) -> list[tuple[float, float]]:
-        return sorted((r["throughput"], r["tps_user"]) for r in rows
-                      if r["arm"] == arm and r["pattern"] == "closed" and r["tps_user"] is not None)
+        return frontier([(r["throughput"], r["tps_user"]) for r in rows
+                         if r["arm"] == arm and r["pattern"] == "closed" and r["tps_user"] is not None])
 
     sched, mtp = curve(scheduler), curve(roles.mtp)
     if len(sched) < 2 or not mtp:
         return {"goal": "matched_speed", "arm": scheduler, "status": "not measurable",
-                "why": f"needs closed-loop points of {scheduler} (>= 2) and {roles.mtp}"}
+                "why": f"needs closed-loop points of {scheduler} (>= 2 on its frontier) and {roles.mtp}"}
     xs, ys = [t for t, _ in sched], [u for _, u in sched]
     checks = [{"throughput": t, "mtp_tps_user": u, "scheduler_tps_user": _interp(t, xs, ys),
                "ratio": _interp(t, xs, ys) / u} for t, u in mtp if xs[0] <= t <= xs[-1] and u > 0]
@@ -188,6 +201,26 @@ class LoadReport:
         report.summary = aggregate(report.points)
         report.goals = check_goals(report.summary, report.arms, roles_for(report.arms))
         return report
+
+    @classmethod
+    def read(cls, path: str | Path) -> "LoadReport":
+        """A report `write` wrote, its summary and goals recomputed by this code (a rescore after a
+        change to the goal checks; the measured points stay as they were)."""
+        from dspark.bench.loadgen import LevelPoint
+        from dspark.errors import UserError
+
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as err:
+            raise UserError(f"cannot read the load report {path}: {err}; give a JSON file that "
+                            "`dspark bench serve` or `python -m dspark.bench.load_docs` wrote") from None
+        if not isinstance(data, dict) or data.get("kind") != "dspark-load-bench":
+            raise UserError(f"{path} is not a dspark load report (no \"kind\": \"dspark-load-bench\"); give a "
+                            "JSON file that `dspark bench serve` or `python -m dspark.bench.load_docs` wrote")
+        fields = {f.name for f in dataclasses.fields(LevelPoint)}
+        points = [LevelPoint(**{k: v for k, v in p.items() if k in fields}) for p in data["points"]]
+        return cls.build(mode=data["mode"], settings=data["settings"], arms=data["arms"], points=points,
+                         skipped=data["skipped"], command=data["command"], environment=data["environment"])
 
     def as_dict(self) -> dict:
         return {"kind": "dspark-load-bench", "version": 1, "mode": self.mode, "command": self.command,
