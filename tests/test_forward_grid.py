@@ -44,12 +44,29 @@ def test_measured_rows_are_exact_and_rows_between_are_interpolated():
 def test_outside_the_measured_counts():
     grid = grid_of(rows=(2, 4))
     assert grid.seconds_per_step(2, 1) == pytest.approx(f_model(2, 2))  # below: the smallest row
-    # above: the last two rows' slope in R, 3 ms per request
-    assert grid.seconds_per_step(16, 6) == pytest.approx(f_model(6, 16))
-    falling = grid_of(rows=(2, 4), model=lambda r, b: (40 - r + b) / 1e3)  # noise: time falls with R
-    assert falling.seconds_per_step(16, 9) == pytest.approx(falling.seconds_per_step(16, 4))  # slope floored at 0
+    # above: the largest row scaled at the same tokens per request, 8 requests verifying 16 tokens
+    # price as twice 4 requests verifying 8
+    assert grid.seconds_per_step(16, 8) == pytest.approx(2 * f_model(4, 8))
+    # ... read between that row's budgets: 6 requests verifying 16 tokens as 1.5 x 4 requests verifying 10.67
+    assert grid.seconds_per_step(16, 6) == pytest.approx(1.5 * f_model(4, 16 * 4 / 6))
+    proportional = grid_of(rows=(2, 4), model=lambda r, b: (5 * r + 2 * b) / 1e3)  # cost proportional to the batch
+    assert proportional.seconds_per_step(40, 12) == pytest.approx((5 * 12 + 2 * 40) / 1e3)  # exact
     single = grid_of(rows=(3,))
-    assert single.seconds_per_step(10, 8) == pytest.approx(f_model(3, 10))
+    assert single.seconds_per_step(10, 8) == pytest.approx(8 / 3 * f_model(3, 10 * 3 / 8))
+
+
+def test_past_the_largest_row_a_verified_token_keeps_its_measured_price():
+    """Regression (docs/LOAD.md, run X2): extrapolating in R at fixed B multiplied the noise of two
+    rows' difference by R - R_max, and at 64 requests made extra verified tokens look nearly free."""
+    def noisy(r: int, b: int) -> float:  # 6 ms a token; row 14 happens to be slow at small budgets
+        return (6 * b + (8 if r == 14 and b < 40 else 0)) / 1e3
+
+    grid = grid_of(rows=(14, 16), model=noisy)
+    plain = grid.seconds_per_step(64, 64)
+    assert plain == pytest.approx(64 * 6e-3)
+    for extra in (1, 4, 16):
+        per_token = (grid.seconds_per_step(64 + extra, 64) - plain) / extra
+        assert per_token == pytest.approx(6e-3)  # what a token costs in the largest row
     with pytest.raises(ValueError, match="requests"):
         grid.seconds_per_step(4, 0)
     with pytest.raises(ValueError, match="request counts"):

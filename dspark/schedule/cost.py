@@ -338,9 +338,23 @@ class ForwardGrid:
     and `points()`, the file and the plot keep the raw measurements. A lookup
     for an unmeasured R interpolates linearly between the two nearest
     measured rows, at the same B; below the smallest
-    row it reads that row; past the largest it extrapolates with the last two
-    rows' slope in R (floored at zero). Within a row, `CostTable`'s own rules
+    row it reads that row. Past the largest measured row R_max it scales that
+    row at the same tokens per request: F(R, B) = (R / R_max) F(R_max, B R_max / R)
+    (read between budgets linearly), as if the step were R / R_max steps of
+    R_max requests with the same mix. Within a row, `CostTable`'s own rules
     (and below a row's first budget, its first slope backwards).
+
+    Why scale and not extrapolate in R at fixed B: the profile measures up to
+    16 requests while a server holds 32 and the load benchmark 64. The old
+    rule, the last two rows' slope in R at the same B, multiplied the noise
+    of a difference of two rows by R - R_max: at 64 requests it priced 16
+    extra verified tokens at 14 ms on a 400 ms step (0.9 ms a token against
+    6 ms for a plain one), the gate drafted in 80 % of the steps and lost 26
+    % throughput to no speculation (docs/LOAD.md, run X2). Scaling is exact
+    for a cost proportional to the batch; where bigger batches are cheaper
+    per row it overprices plain and drafted steps alike, which the gate's
+    measured cost ratios correct, and it keeps a verified token's price
+    relative to a plain step's what it was measured to be at R_max.
     """
 
     def __init__(self, rows: Mapping[int, CostTable], key: CostKey | None = None) -> None:
@@ -359,12 +373,15 @@ class ForwardGrid:
         if requests < 1:
             raise ValueError(f"requests must be >= 1, got {requests}")
         counts, row = self.counts, self._row_seconds
-        if len(counts) == 1 or requests <= counts[0]:
+        if requests <= counts[0]:
             return row(counts[0], budget)
         if requests >= counts[-1]:
-            r0, r1 = counts[-2], counts[-1]
-            slope = max(0.0, (row(r1, budget) - row(r0, budget)) / (r1 - r0))
-            return row(r1, budget) + slope * (requests - r1)
+            top = counts[-1]
+            scaled = budget * top / requests  # the same tokens per request in the measured row
+            low = math.floor(scaled)
+            s0 = row(top, max(1, low))
+            s1 = row(top, low + 1) if scaled > low else s0
+            return requests / top * (s0 + (s1 - s0) * (scaled - low))
         i = bisect.bisect_left(counts, requests)
         r0, r1 = counts[i - 1], counts[i]
         s0, s1 = row(r0, budget), row(r1, budget)
