@@ -47,3 +47,11 @@ def test_summary_groups_decode_steps_by_budget():
     assert "B=4: 2 steps, forward median 110.0 ms" in text and "B=60" not in text
     assert "   plain: 2 steps" in text and " drafted: 1 steps" in text
     assert summarise([]) == "no steps"
+
+
+def test_generate_ab_refuses_bad_arguments():
+    from dspark.bench.generate_ab import main
+
+    for argv in (["x"], ["0"], ["1", "default", "extra"]):
+        with pytest.raises(SystemExit, match="usage"):
+            main(argv)

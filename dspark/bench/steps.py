@@ -127,6 +127,9 @@ def summarise(records: Sequence[StepRecord], cost=None) -> str:
     decode = [r for r in records if r.decoding == full and r.requests == full and r.prefill == 0]
     lines = [f"{len(records)} steps, {sum(r.tokens for r in records)} tokens in "
              f"{sum(r.seconds for r in records):.1f} s; {len(decode)} decode-only steps of {full} requests"]
+    totals = {k: sum(getattr(r, k) for r in records) for k in ("seconds", "forward", "propose", "observe")}
+    lines.append(f"     all: forward {totals['forward']:.2f} s, propose {totals['propose']:.2f} s, observe "
+                 f"{totals['observe']:.2f} s, the rest {totals['seconds'] - totals['forward'] - totals['propose'] - totals['observe']:.2f} s")
     for label, rows in (("plain", [r for r in decode if not r.drafted]), ("drafted", [r for r in decode if r.drafted])):
         if rows:
             mean = {k: statistics.mean(getattr(r, k) for r in rows) for k in ("seconds", "forward", "propose", "observe",
