@@ -74,3 +74,15 @@ def test_soak_reports_failing_requests():
 def test_malformed_catalog_covers_json_and_fields():
     kinds = {type(m).__name__ for m in MALFORMED}
     assert kinds == {"bytes", "dict"} and len(MALFORMED) >= 6
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--clients", "x"], "--clients takes a whole number"), (["--requests", "0"], "--requests takes a whole number"),
+    (["--bogus"], "unknown option --bogus"), (["a", "b", "c"], "at most a drafter and a policy"),
+    (["--slots"], "--slots needs a value"),
+])
+def test_soak_docs_bad_options_name_the_fix(argv, message):
+    from dspark.bench.soak_docs import main
+
+    with pytest.raises(SystemExit, match=message):
+        main(argv)
