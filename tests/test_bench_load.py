@@ -15,6 +15,7 @@ from dspark.bench.arms import Arm, paper_arms, parse_arm
 from dspark.bench.clients import SamplingSpec, loopback_url
 from dspark.bench.load import LoadSettings, arm_order, load_prompts, run_load_bench
 from dspark.bench.load_report import GoalRoles, LoadReport, check_goals, frontier, roles_for
+from dspark.bench.tables import goal_lines
 from dspark.bench.loadgen import poisson_offsets
 from dspark.draft.checkpoint import save_drafter
 from dspark.draft.factory import build_drafter
@@ -293,3 +294,17 @@ def test_rescore_refuses_a_file_that_is_not_a_load_report(tmp_path):
         LoadReport.read(tmp_path / "other.json")
     with pytest.raises(UserError, match="cannot read the load report"):
         LoadReport.read(tmp_path / "missing.json")
+
+
+def test_a_run_without_the_fixed_arm_is_checked_against_no_speculation_and_says_so():
+    roles = GoalRoles(schedulers=("dspark",))
+    rows = [_row("nospec", 16, 100, 7, 2.0), _row("dspark", 16, 98, 7, 2.0)]
+    goal = check_goals(rows, [], roles)[0]
+    assert goal["status"] == "met" and goal["checks"][0]["best_baseline"] == "nospec"  # -2 within noise 2.8
+    assert goal["partial"] == "against nospec only; dspark-k7 not measured"
+    rows[1] = _row("dspark", 16, 90, 7, 2.0)  # 10 below, noise 2.8
+    goal = check_goals(rows, [], roles)[0]
+    assert goal["status"] == "missed" and "partial" in goal
+    assert "nospec only" in "\n".join(goal_lines([goal]))
+    complete = check_goals(rows + [_row("dspark-k7", 16, 40, 3, 2.0)], [], roles)[0]
+    assert "partial" not in complete

@@ -52,6 +52,8 @@ def goal_lines(goals: list[dict]) -> list[str]:
                 noise = "no noise estimate" if c["noise"] is None else f"noise {c['noise']:.1f}"
                 parts.append(f"{c['margin']:+.1f} tok/s at c={c['concurrency']:g} (vs {c['best_baseline']}, {noise})")
             line += ("; missed: " if failed else "; worst margin ") + ", ".join(parts)
+            if g.get("partial"):
+                line += f" ({g['partial']})"
         else:
             line += f"; smallest ratio {g['min_ratio']:.2f}x over {len(g['checks'])} matched point(s)"
         lines.append(line)
