@@ -55,3 +55,5 @@ def test_generate_ab_refuses_bad_arguments():
     for argv in (["x"], ["0"], ["1", "default", "extra"]):
         with pytest.raises(SystemExit, match="usage"):
             main(argv)
+    with pytest.raises(SystemExit, match="compared with `--drafter none`"):
+        main(["1", "none"])

@@ -42,6 +42,8 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m dspark.bench.generate_ab [ROUNDS >= 1] [DRAFTER (default: default)]")
     rounds = int(argv[0]) if argv else 3
     drafter = argv[1] if len(argv) > 1 else "default"
+    if drafter == "none":
+        raise SystemExit("DRAFTER is compared with `--drafter none`; give another one (default, mtp1, ngram or a folder)")
     totals = {"none": [0, 0.0], drafter: [0, 0.0]}
     same = True
     for round_ in range(1, rounds + 1):
