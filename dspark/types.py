@@ -66,7 +66,9 @@ class DraftProposal:
     `draft_probs[r, k]` is exactly the distribution `draft_tokens[r, k]` was
     sampled from (same values and dtype the sampler used). It is None for
     deterministic drafters (prompt lookup, greedy drafting), whose draft
-    distribution is a point mass on the draft token.
+    distribution is a point mass on the draft token. Once a step's verify
+    lengths are chosen the engine cuts `draft_probs` to [R, W, V], W the
+    longest of them: positions past W are never verified, so never read.
     """
 
     draft_tokens: torch.Tensor  # [R, G] int64

@@ -335,6 +335,27 @@ def test_spread_proposal_lays_a_subsets_rows_over_the_batch():
     assert point_masses.draft_probs is None and point_masses.confidences is None
 
 
+def test_the_engine_spreads_draft_distributions_only_up_to_the_longest_verify_length():
+    """_lay_out cuts draft_probs to the step's longest verify length before spreading a partial
+    proposal over the batch: the same values spreading everything then cutting gives, without the
+    full [R, G, V] copy; tokens, counts and confidences keep all G positions."""
+    from dspark.draft.base import spread_proposal
+    from dspark.engine.engine import _lay_out
+    from dspark.types import DraftProposal
+
+    sub = DraftProposal(draft_tokens=torch.tensor([[4, 5, 6], [6, 7, 8]]), num_drafted=torch.tensor([3, 2]),
+                        draft_probs=torch.rand(2, 3, 9), confidences=torch.rand(2, 3))
+    whole = spread_proposal(sub, [0, 2], 3)
+    for width in (0, 1, 3):
+        laid = _lay_out(sub, [0, 2], 3, width)
+        assert laid.draft_probs.shape == (3, width, 9)
+        assert torch.equal(laid.draft_probs, whole.draft_probs[:, :width])
+        assert torch.equal(laid.draft_tokens, whole.draft_tokens) and torch.equal(laid.confidences, whole.confidences)
+        assert torch.equal(laid.num_drafted, whole.num_drafted)
+    assert _lay_out(sub, None, 2, 3) is sub  # a proposal for everyone at full width is passed on as it is
+    assert _lay_out(sub, None, 2, 1).draft_probs.data_ptr() == sub.draft_probs.data_ptr()  # a view, no copy
+
+
 def test_measured_step_times_reprice_drafted_and_plain_steps_apart():
     """F(B) = 50 + 5 (B - 1) ms, D(R) = 20 R ms, one request with curve (0.6, 0.36, 0.216):
     the profile's best drafted step, verify 3, is 2.176 / (65 + 20) ms = 25.6 tok/s against

@@ -232,3 +232,29 @@ def test_cutting_the_block_to_the_longest_verify_length_changes_nothing(seed):
     assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(gens_a, gens_b))
     with pytest.raises(ValueError, match="draw_block_size"):
         verify(proposal, logits, lens, MIXED, gens_b, draw_block_size=block - 1)
+
+
+def test_scattered_logits_are_padded_rows_and_a_view_when_every_entry_has_the_full_width():
+    """scatter_logits lays [M, V] rows out as [E, W, V]: entry e's verify_len + 1 rows first,
+    zeros after. When every entry has W rows (a step that verifies nothing: W = 1) it returns
+    the same values as a view, without the zeroed copy."""
+    from types import SimpleNamespace
+
+    from dspark.engine.forward import StepBatch
+
+    def batch(lens):
+        entries = [SimpleNamespace(verify_len=l) for l in lens]
+        return StepBatch(ragged=None, segments=entries, entries=entries, proposal=None,
+                         verify_lens=torch.tensor(lens), logits_rows=torch.empty(0), block_size=4)
+
+    ragged = torch.randn(2 + 1 + 4, 5)  # verify lengths 1, 0, 3: W = 4
+    out = batch([1, 0, 3]).scatter_logits(ragged)
+    assert out.shape == (3, 4, 5)
+    assert torch.equal(out[0, :2], ragged[:2]) and not out[0, 2:].any()
+    assert torch.equal(out[1, :1], ragged[2:3]) and not out[1, 1:].any()
+    assert torch.equal(out[2], ragged[3:])
+    for lens in ([0, 0, 0], [2, 2]):
+        rows = torch.randn(len(lens) * (lens[0] + 1), 5)
+        even = batch(lens).scatter_logits(rows)
+        assert even.shape == (len(lens), lens[0] + 1, 5) and torch.equal(even.flatten(0, 1), rows)
+        assert even.data_ptr() == rows.data_ptr()

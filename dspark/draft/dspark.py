@@ -27,8 +27,14 @@ from dspark.models.config import TargetConfig
 from dspark.types import DraftProposal, SamplingParams
 
 
-# observed rows a request may hold unprojected before observe projects them anyway
-MAX_PENDING_ROWS = 64
+# observed rows a request may hold unprojected before observe projects them anyway. A pending
+# row (the tapped hidden states, 5 x 576 float32 = 11.5 KB for the shipped drafter) takes more
+# memory than its projection (3 layers' keys and values, 4.6 KB), so the cap bounds that extra
+# (1.8 MB a request at 256 rows). It is high enough that a request the draft gate never drafts
+# (every request at high load on a CPU) usually finishes without being projected at all: at 64
+# clients with a 64-row cap, projecting for requests that never drafted cost about 1 % of the
+# step time (docs/LOAD.md, run AA).
+MAX_PENDING_ROWS = 256
 
 
 @dataclass
@@ -38,10 +44,15 @@ class DSparkState:
 
     kv: ContextKV
     pending: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [n, T, D] chunks
+    num_pending: int = 0  # rows in `pending` (kept, not summed: observe asks at every step)
 
-    @property
-    def num_pending(self) -> int:
-        return sum(int(h.shape[0]) for h in self.pending)
+    def add_pending(self, hidden: torch.Tensor) -> None:
+        self.pending.append(hidden)
+        self.num_pending += int(hidden.shape[0])
+
+    def clear_pending(self) -> None:
+        self.pending.clear()
+        self.num_pending = 0
 
     @property
     def num_context(self) -> int:
@@ -108,7 +119,7 @@ class DSparkDrafter(DraftVocabMixin, ParallelBackbone, TrainableDrafter):
                 continue
             if hidden.dim() != 3 or hidden.shape[1] != len(self.tap_layers):
                 raise ValueError(f"expected hidden states of {len(self.tap_layers)} tapped layers, got {tuple(hidden.shape)}")
-            state.pending.append(hidden.detach().to(self.device, copy=True))  # not a view of the step's batch
+            state.add_pending(hidden.detach().to(self.device, copy=True))  # not a view of the step's batch
             if state.num_pending >= MAX_PENDING_ROWS:
                 full.append(state)
         self.project_pending(full)
@@ -127,7 +138,7 @@ class DSparkDrafter(DraftVocabMixin, ParallelBackbone, TrainableDrafter):
         keys, values = self.context_kv(self.context_features(torch.cat(chunks)), positions)  # [L, N, Hkv, hd]
         for state, k, v in zip(states, keys.split(lengths, dim=1), values.split(lengths, dim=1)):
             state.kv.append(k, v)
-            state.pending.clear()
+            state.clear_pending()
 
     @torch.no_grad()
     def propose(
@@ -158,7 +169,7 @@ class DSparkDrafter(DraftVocabMixin, ParallelBackbone, TrainableDrafter):
 
     def release(self, state: DSparkState) -> None:  # noqa: D102
         state.kv = self.new_context_kv()
-        state.pending.clear()
+        state.clear_pending()
 
     def _draft_vocab_changed(self) -> None:
         """The Markov transition's W2 rows of the draft vocabulary (see DraftVocabMixin)."""

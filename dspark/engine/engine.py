@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -135,36 +136,38 @@ class Engine:
         plan = self.batcher.plan(self.drafter.new_state, self._release)
         if plan.empty:
             return []
-        proposal = self._draft(plan.decode)
-        verify_lens = self._schedule(plan.decode, proposal)
+        drafts, rows = self._draft(plan.decode)
+        verify_lens = self._schedule(plan.decode, drafts, rows)
+        proposal = _lay_out(drafts, rows, len(plan.decode), max(verify_lens, default=0))
         batch = build_step_batch(plan, proposal, verify_lens, self.drafter.block_size)
         result, hidden = self._verify(batch)
         outputs = self._commit(plan, batch, result, hidden)
         seconds = time.perf_counter() - start
         self.num_steps += 1
         self.step_seconds += seconds
-        self._report_timing(plan, proposal, verify_lens, seconds)
+        self._report_timing(plan, int((drafts.num_drafted > 0).sum()), verify_lens, seconds)
         return outputs
 
-    def _report_timing(self, plan: StepPlan, proposal: DraftProposal, verify_lens: list[int], seconds: float) -> None:
+    def _report_timing(self, plan: StepPlan, drafted: int, verify_lens: list[int], seconds: float) -> None:
         """Tell a policy that prices steps (`observe_step`) what a decode-only step cost."""
         observe = getattr(self.policy, "observe_step", None)
         if observe is None or plan.prefill or not plan.decode:
             return
-        drafted = int((proposal.num_drafted > 0).sum())
         observe(StepTiming(len(plan.decode), drafted, len(plan.decode) + sum(verify_lens), seconds))
 
     # --------------------------------------------------------------- stages
-    def _draft(self, decoding: list[Request]) -> DraftProposal:
+    def _draft(self, decoding: list[Request]) -> tuple[DraftProposal, list[int] | None]:
+        """The proposal for the requests the policy drafts, and their indices in `decoding`
+        (None: the proposal covers every request, or none drafted and it is empty)."""
         if not decoding:
             return DraftProposal(
                 draft_tokens=torch.zeros(0, self.drafter.block_size, dtype=torch.int64),
                 num_drafted=torch.zeros(0, dtype=torch.int64),
-            )
+            ), None
         rows = self._rows_to_draft(decoding)
         if not rows:
             self.num_draft_skips += 1  # a plain decode step: the policy saw no gain in drafting
-            return empty_proposal(len(decoding), self.drafter.block_size)
+            return empty_proposal(len(decoding), self.drafter.block_size), None
         drafting = [decoding[i] for i in rows]
         anchors = torch.tensor([r.anchor for r in drafting], dtype=torch.int64)
         proposal = self.drafter.propose(
@@ -178,9 +181,9 @@ class Engine:
                 proposal.num_drafted[i] = max(room, 0)
         if len(rows) < len(decoding):
             self.num_partial_drafts += 1  # the others decode plainly this step
-            return spread_proposal(proposal, rows, len(decoding))
+            return proposal, rows
         self.num_full_drafts += 1
-        return proposal
+        return proposal, None
 
     def _rows_to_draft(self, decoding: list[Request]) -> list[int]:
         """Indices of the requests the policy drafts this step (all when it has no say)."""
@@ -192,18 +195,20 @@ class Engine:
             raise RuntimeError(f"policy {self.policy.name!r} chose drafts for {len(chosen)} of {len(decoding)} requests")
         return [i for i, draft in enumerate(chosen) if draft]
 
-    def _schedule(self, decoding: list[Request], proposal: DraftProposal) -> list[int]:
+    def _schedule(self, decoding: list[Request], drafts: DraftProposal, rows: list[int] | None) -> list[int]:
+        """Verify lengths for `decoding` from the proposal of its requests `rows` (None: all)."""
         if not decoding:
             return []
-        conf = None if proposal.confidences is None else proposal.confidences.tolist()
-        drafted = proposal.num_drafted.tolist()
+        conf = None if drafts.confidences is None else drafts.confidences.tolist()
+        num = drafts.num_drafted.tolist()
+        where = range(len(decoding)) if rows is None else rows  # decoding index of each proposal row
+        drafted, confidences = [0] * len(decoding), [None] * len(decoding)
+        for k, i in enumerate(where):
+            drafted[i] = num[k]
+            # None for a request that did not draft this step: unknown, not "no tokens survive"
+            confidences[i] = None if conf is None or num[k] == 0 else conf[k][: num[k]]
         requests = [
-            ScheduleRequest(
-                request_id=req.request_id,
-                num_drafted=drafted[i],
-                # None for a request that did not draft this step: unknown, not "no tokens survive"
-                confidences=None if conf is None or drafted[i] == 0 else conf[i][: drafted[i]],
-            )
+            ScheduleRequest(request_id=req.request_id, num_drafted=drafted[i], confidences=confidences[i])
             for i, req in enumerate(decoding)
         ]
         lens = self.policy.decide(requests)
@@ -311,3 +316,14 @@ class Engine:
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.finish_time = time.perf_counter()
+
+
+def _lay_out(drafts: DraftProposal, rows: list[int] | None, num_requests: int, width: int) -> DraftProposal:
+    """The step's proposal over all `num_requests` decoding requests, from the proposal of the
+    requests `rows` (None: it already covers all of them), with `draft_probs` cut to the step's
+    longest verify length `width` first: a draft distribution past it is never read, and
+    spreading [R', G, V] float32 over the batch (88 MB at 64 requests on a 49k vocabulary) made
+    a step that drafted a quarter of its requests 30 ms slower (docs/LOAD.md, run AA)."""
+    if drafts.draft_probs is not None and width < drafts.block_size:
+        drafts = dataclasses.replace(drafts, draft_probs=drafts.draft_probs[:, :width])
+    return drafts if rows is None else spread_proposal(drafts, rows, num_requests)

@@ -63,8 +63,12 @@ class StepBatch:
         )
 
     def scatter_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """[M, V] logits -> [E, W, V], zero padded past each verify length."""
-        out = logits.new_zeros(len(self.entries), self.verify_width, logits.shape[-1])
+        """[M, V] logits -> [E, W, V], zero padded past each verify length (a view, no copy,
+        when every entry has W rows, as in every step that verifies nothing)."""
+        width = self.verify_width
+        if logits.shape[0] == len(self.entries) * width:  # each entry has at most W rows: all have W
+            return logits.view(len(self.entries), width, logits.shape[-1])
+        out = logits.new_zeros(len(self.entries), width, logits.shape[-1])
         row = 0
         for e, seg in enumerate(self.entries):
             n = seg.verify_len + 1

@@ -454,6 +454,9 @@ class ForwardGrid:
         fig.savefig(str(path), dpi=110)
 
 
+MEMO_ENTRIES = 1 << 16  # (B, R) prices a SplitCost remembers (about 6 MB at most)
+
+
 class SplitCost:
     """Step time split into its two parts: seconds = F(B) + D(R).
 
@@ -479,6 +482,9 @@ class SplitCost:
         # lookups of D read its isotonic fit: drafting for more requests is never cheaper
         self._draft_fit = draft if draft.is_monotone else draft.monotone()
         self.key = forward.key
+        # the draft gate prices every prefix of a step's admission path (R x G lookups a step);
+        # the tables never change, so each (B, R) is read once
+        self._forward_memo: dict[tuple[int, int], float] = {}
 
     def draft_seconds(self, requests: int) -> float:
         """D(R): one batched propose for `requests` requests (0 for none)."""
@@ -486,9 +492,16 @@ class SplitCost:
 
     def forward_seconds(self, budget: int, requests: int) -> float:
         """F(R, B): the target forward of `requests` requests verifying `budget` tokens."""
-        if isinstance(self.forward, ForwardGrid):
-            return self.forward.seconds_per_step(budget, requests)
-        return self.forward.seconds_per_step(budget)
+        key = (budget, requests)
+        seconds = self._forward_memo.get(key)
+        if seconds is None:
+            if isinstance(self.forward, ForwardGrid):
+                seconds = self.forward.seconds_per_step(budget, requests)
+            else:
+                seconds = self.forward.seconds_per_step(budget)
+            if len(self._forward_memo) < MEMO_ENTRIES:
+                self._forward_memo[key] = seconds
+        return seconds
 
     def seconds(self, budget: int, requests: int, drafted: int | None = None) -> float:
         """Seconds of one step of `requests` requests verifying `budget` tokens, of which
