@@ -57,3 +57,19 @@ def test_generate_ab_refuses_bad_arguments():
             main(argv)
     with pytest.raises(SystemExit, match="compared with `--drafter none`"):
         main(["1", "none"])
+
+
+def test_every_kth_quarter_drafts_a_probe_sized_part_and_delegates_the_rest():
+    from dspark.bench.steps import EveryKthQuarter, main
+
+    inner = make_policy("fixed", None, k=3)
+    policy = EveryKthQuarter(inner, 3)
+    chosen = [policy.choose_drafts(list(range(9))) for _ in range(6)]
+    assert [sum(c) for c in chosen] == [0, 0, 2, 0, 0, 2] and chosen[2][:2] == [True, True]
+    assert policy.choose_drafts([7]) == [False] and EveryKthQuarter(inner, 1).choose_drafts([7]) == [True]
+    assert policy.name == "fixed" and policy.k == 3 and policy.policy is inner  # the rest is the wrapped policy's
+    with pytest.raises(ValueError, match="probe interval"):
+        EveryKthQuarter(inner, 0)
+    for argv in (["d", "dspark", "16"], ["d", "dspark", "16", "10", "0"], ["d", "dspark", "16", "10", "x"]):
+        with pytest.raises(SystemExit, match="usage"):
+            main(argv)

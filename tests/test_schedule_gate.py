@@ -415,3 +415,27 @@ def test_the_engine_reports_decode_only_steps_to_a_policy_that_prices_them():
     assert 0 < len(seen) < steps  # the first step was the prompt's
     assert all(t.requests == 1 and t.budget >= 1 and t.seconds > 0 for t in seen)
     assert all(t.budget == 1 for t in seen if t.drafted == 0)
+
+
+def test_the_gate_drafts_no_one_the_scheduler_would_verify_nothing_of():
+    """F(1) = 50 ms, a cliff to 110 ms at two tokens, then 1 ms a token; D(1) = 5 ms; one request
+    with curve (0.9, 0.81, 0.729). Verifying all three pays (3.439 / 117 ms = 29 tok/s against
+    1 / 50 ms = 20), so the gate's search of the whole path drafts. Algorithm 1 stops at the cliff
+    (1.9 / 115 ms < 1 / 55 ms) and would verify nothing: under the causal scheduler the gate
+    drafts no one (and counts the veto); under the asynchronous one, whose capacity search looks
+    past the cliff too, it drafts. PrefixScheduler and AsyncPrefixScheduler build their gates so."""
+    cost = SplitCost(CostTable({1: 0.050, 2: 0.110, 3: 0.111, 4: 0.112}), CostTable({1: 0.005, 2: 0.010}))
+    curve = [0.9, 0.81, 0.729]
+    for early_stop, drafts in ((True, [False]), (False, [True])):
+        gate = DraftGate(cost, early_stop=early_stop)
+        gate.record([_req("a", [0.9, 0.9, 0.9])])
+        assert gate.best_drafts([curve]) == [True]
+        assert gate.verified_any([curve], [True]) is not early_stop
+        assert gate.choose(["a"]) == drafts and gate.vetoed == int(early_stop)
+    assert PrefixScheduler(cost).gate.early_stop and not AsyncPrefixScheduler(cost).gate.early_stop
+    # a curve Algorithm 1 verifies before the cliff is drafted under both
+    assert DraftGate(cost).verified_any([[0.99, 0.98, 0.97]], [True]) is False  # 1.99 / 115 < 1 / 55: still the cliff
+    flat = SplitCost(CostTable({1: 0.050, 2: 0.060, 4: 0.070}), CostTable({1: 0.005, 2: 0.010}))
+    gate = DraftGate(flat)
+    gate.record([_req("a", [0.9, 0.9, 0.9])])
+    assert gate.verified_any([curve], [True]) and gate.choose(["a"]) == [True] and gate.vetoed == 0

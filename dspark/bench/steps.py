@@ -14,10 +14,14 @@ gate drafted two requests in nearly every step at 16 clients because the cached
 profile said a step verifying 18 tokens (125 ms) was cheaper than a plain one of
 16 (153 ms); the trace measured 131 and 136 ms.
 
-    .venv/bin/python -m dspark.bench.steps DRAFTER POLICY CONCURRENCY STEPS
+    .venv/bin/python -m dspark.bench.steps DRAFTER POLICY CONCURRENCY STEPS [PROBE_EVERY]
 
 runs the embedded target on the evaluation prompts (greedy, 64 new tokens, one
-torch thread as the load benchmark) and prints the summary.
+torch thread as the load benchmark) and prints the summary. With PROBE_EVERY
+the policy's own choice of whom to draft is replaced by `EveryKthQuarter`: the
+first quarter of the requests draft on every PROBE_EVERY-th step (the size of
+the draft gate's probes), no one on the others (verify lengths are still the
+policy's), so the summary sets a probe step's cost beside a plain step's.
 """
 
 from __future__ import annotations
@@ -118,6 +122,24 @@ def trace_steps(engine, prompts: Sequence[list[int]], params, concurrency: int, 
     return records
 
 
+class EveryKthQuarter:
+    """A policy that drafts the first quarter of its requests (at least one) on every k-th
+    step and no one on the others; everything else is the wrapped policy's."""
+
+    def __init__(self, policy, k: int) -> None:
+        if k < 1:
+            raise ValueError(f"probe interval must be >= 1, got {k}")
+        self.policy, self.k, self.calls = policy, k, 0
+
+    def choose_drafts(self, request_ids) -> list[bool]:
+        self.calls += 1
+        quarter = max(1, len(request_ids) // 4) if self.calls % self.k == 0 else 0
+        return [i < quarter for i in range(len(request_ids))]
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+
 def summarise(records: Sequence[StepRecord], cost=None) -> str:
     """Plain and drafted decode-only steps (every request decoding, no prompt chunk) side by
     side, then each B's median forward against the profile's F(R, B) when `cost` is given."""
@@ -150,9 +172,9 @@ def summarise(records: Sequence[StepRecord], cost=None) -> str:
 
 def main(argv: list[str]) -> None:
     """DRAFTER POLICY CONCURRENCY STEPS (no argparse outside cli.py)."""
-    if len(argv) != 4 or not argv[2].isdigit() or not argv[3].isdigit():
-        raise SystemExit("usage: python -m dspark.bench.steps DRAFTER POLICY CONCURRENCY STEPS "
-                         "(e.g. dspark/assets/drafters/smollm2-135m-dspark dspark 16 300)")
+    if len(argv) not in (4, 5) or not all(a.isdigit() and int(a) > 0 for a in argv[2:]):
+        raise SystemExit("usage: python -m dspark.bench.steps DRAFTER POLICY CONCURRENCY STEPS [PROBE_EVERY] "
+                         "(positive integers; e.g. dspark/assets/drafters/smollm2-135m-dspark dspark 16 300)")
     import torch
 
     from dspark.bench.arms import Arm
@@ -170,12 +192,15 @@ def main(argv: list[str]) -> None:
     backend = InProcessBackend(loaded, prompts, SamplingSpec(max_new_tokens=64), concurrency, embedded=True)
     drafter, cost = backend._arm_parts(Arm("traced", drafter_spec, policy_name))
     options = {"k": drafter.block_size} if policy_name == "fixed" else {}
-    engine = Engine(loaded.model, drafter, make_policy(policy_name, cost, **options), backend.engine_config,
-                    tokenizer=loaded.tokenizer)
+    policy = make_policy(policy_name, cost, **options)
+    if len(argv) == 5:
+        policy = EveryKthQuarter(policy, int(argv[4]))
+    engine = Engine(loaded.model, drafter, policy, backend.engine_config, tokenizer=loaded.tokenizer)
     encoder = ChatEncoder(loaded.tokenizer)
     records = trace_steps(engine, [encoder(p) for p in prompts], SamplingParams(temperature=0.0, max_new_tokens=64),
                           concurrency, steps)
-    print(f"{drafter_spec} / {policy_name}, {concurrency} requests")
+    forced = f", a quarter drafted every {argv[4]} steps" if len(argv) == 5 else ""
+    print(f"{drafter_spec} / {policy_name}, {concurrency} requests{forced}")
     print(summarise(records, cost))
 
 

@@ -60,6 +60,19 @@ throughput against no speculation. A drafter without a confidence head never
 yields a curve: the gate then drafts everyone, every step (the schedulers
 verify all its tokens).
 
+Drafts the scheduler would not verify: the gate prices steps with measured
+cost ratios, the scheduler that picks verify lengths with the profile alone
+(its choice does not depend on one common scale of a drafted step's cost, but
+the gate compares drafted with plain steps, whose ratios differ). So before
+drafting, the gate runs the scheduler's own walk over the raw curves of the
+requests it chose (`early_stop` as the scheduler: Algorithm 1 stops at the
+first candidate that does not raise Theta, the asynchronous scheduler searches
+the whole path) and drafts no one when that walk admits nothing: a draft that
+would be verified for no token is pure cost. Measured (docs/LOAD.md, run AA):
+at 64 clients plain steps ran 1.165x their price and drafted ones 1.07x, so
+the gate drafted one request in 109 of 150 steps, and Algorithm 1 verified a
+token of it in none of them.
+
 Free drafting: when one batched `propose` costs at most `free_fraction`
 (2 %) of a plain decode step, D(R) <= free_fraction x F(R), the gate drafts
 everyone. A stale curve is the mean of what a request's drafts were worth;
@@ -95,7 +108,8 @@ class DraftGate:
     """Per step and request: draft (True) or decode plainly (False); see the module docstring."""
 
     def __init__(self, cost: SplitCost, probe_every: int = 32, history: int = 64, decay: float = 0.98,
-                 probe_fraction: float = 0.25, free_fraction: float = 0.02, max_probe_every: int | None = None) -> None:
+                 probe_fraction: float = 0.25, free_fraction: float = 0.02, max_probe_every: int | None = None,
+                 early_stop: bool = True) -> None:
         if probe_every < 1 or history < 1:
             raise ValueError(f"probe_every and history must be >= 1, got {probe_every} and {history}")
         max_probe_every = 4 * probe_every if max_probe_every is None else max_probe_every
@@ -109,6 +123,8 @@ class DraftGate:
             raise ValueError(f"free_fraction must be in [0, 1), got {free_fraction}")
         self.cost, self.probe_every, self.decay, self.probe_fraction = cost, probe_every, decay, probe_fraction
         self.free_fraction = free_fraction
+        self.early_stop = early_stop  # how the scheduler deciding verify lengths walks (see `verified_any`)
+        self.vetoed = 0  # choices of drafts the scheduler's own walk would verify nothing of
         self.max_probe_every = max_probe_every
         self.probe_interval = probe_every  # steps between probes now: doubles while probes find nothing
         # accepted draft tokens realised vs predicted by the survival curves (decayed sums)
@@ -143,8 +159,11 @@ class DraftGate:
 
             proxy = _mean_curve(list(self.recent))
         ratio = self.acceptance_ratio()
-        curves = [[min(1.0, a * ratio) for a in self.curves.get(i, proxy)] for i in ids]
-        chosen = self.best_drafts(curves)
+        raw = [self.curves.get(i, proxy) for i in ids]
+        chosen = self.best_drafts([[min(1.0, a * ratio) for a in c] for c in raw])
+        if any(chosen) and not self.verified_any(raw, chosen):
+            self.vetoed += 1
+            chosen = [False] * len(ids)
         if any(chosen):  # drafting pays for someone: probe at the base rate
             self.probe_interval = self.probe_every
         elif probed_before:  # the last step's probe brought fresh curves, and none pays: back off
@@ -231,6 +250,18 @@ class DraftGate:
             if rate > best_rate:
                 best_rate, best_reached = rate, frozenset(reached)
         return [i in best_reached for i in range(r)]
+
+    def verified_any(self, curves: Sequence[Sequence[float]], chosen: Sequence[bool]) -> bool:
+        """Would the scheduler verify any token if the `chosen` requests drafted with these
+        survival curves? Its walk (Algorithm 1's, `early_stop` as the scheduler) over the chosen
+        requests' candidates, on the profile's SPS of a step of all R requests with the chosen
+        ones drafting (the same curve the scheduler walks)."""
+        from dspark.schedule.prefix import greedy_walk, ranked_candidates
+
+        r = len(curves)
+        cands = ranked_candidates([c if draft else [] for c, draft in zip(curves, chosen)])
+        curve = self.cost.given_requests(sum(chosen), r)
+        return greedy_walk(cands, curve, r, r, early_stop=self.early_stop) > 0
 
     def record(self, requests: Sequence[ScheduleRequest]) -> None:
         """Remember the survival curve of every request that drafted with confidences;

@@ -212,7 +212,7 @@ class AsyncPrefixScheduler:
         if lag < 1:
             raise ValueError(f"lag must be >= 1, got {lag}")
         self.cost = cost
-        self.gate = DraftGate(cost) if isinstance(cost, SplitCost) else None
+        self.gate = DraftGate(cost, early_stop=False) if isinstance(cost, SplitCost) else None
         self.lag = lag
         self._history: deque[list[ScheduleRequest]] = deque(maxlen=lag)
         self._causal = PrefixScheduler(cost)
