@@ -68,10 +68,10 @@ drafting, the gate runs the scheduler's own walk over the raw curves of the
 requests it chose (`early_stop` as the scheduler: Algorithm 1 stops at the
 first candidate that does not raise Theta, the asynchronous scheduler searches
 the whole path) and drafts no one when that walk admits nothing: a draft that
-would be verified for no token is pure cost. Measured (docs/LOAD.md, run AA):
-at 64 clients plain steps ran 1.165x their price and drafted ones 1.07x, so
-the gate drafted one request in 109 of 150 steps, and Algorithm 1 verified a
-token of it in none of them.
+would be verified for no token is pure cost. Measured (docs/LOAD.md, runs
+AB and AC): at 64 clients the gate drafted some requests in 50-75 % of the
+steps at a verification budget of 1.003 (plain steps ran at about 1.17x their
+price, drafted ones at 1.07x); with the veto, in 5 %.
 
 Free drafting: when one batched `propose` costs at most `free_fraction`
 (2 %) of a plain decode step, D(R) <= free_fraction x F(R), the gate drafts
