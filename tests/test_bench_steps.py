@@ -70,6 +70,7 @@ def test_every_kth_quarter_drafts_a_probe_sized_part_and_delegates_the_rest():
     assert policy.name == "fixed" and policy.k == 3 and policy.policy is inner  # the rest is the wrapped policy's
     with pytest.raises(ValueError, match="probe interval"):
         EveryKthQuarter(inner, 0)
-    for argv in (["d", "dspark", "16"], ["d", "dspark", "16", "10", "0"], ["d", "dspark", "16", "10", "x"]):
+    for argv in (["d", "dspark", "16"], ["d", "dspark", "0", "10"], ["d", "dspark", "16", "10", "x"],
+                 ["d", "dspark", "16", "10", "0", "0"], ["d", "dspark", "16", "10", "0", "300", "1"]):
         with pytest.raises(SystemExit, match="usage"):
             main(argv)

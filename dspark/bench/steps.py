@@ -14,14 +14,16 @@ gate drafted two requests in nearly every step at 16 clients because the cached
 profile said a step verifying 18 tokens (125 ms) was cheaper than a plain one of
 16 (153 ms); the trace measured 131 and 136 ms.
 
-    .venv/bin/python -m dspark.bench.steps DRAFTER POLICY CONCURRENCY STEPS [PROBE_EVERY]
+    .venv/bin/python -m dspark.bench.steps DRAFTER POLICY CONCURRENCY STEPS [PROBE_EVERY [PROMPT_CHARS]]
 
 runs the embedded target on the evaluation prompts (greedy, 64 new tokens, one
 torch thread as the load benchmark) and prints the summary. With PROBE_EVERY
 the policy's own choice of whom to draft is replaced by `EveryKthQuarter`: the
 first quarter of the requests draft on every PROBE_EVERY-th step (the size of
 the draft gate's probes), no one on the others (verify lengths are still the
-policy's), so the summary sets a probe step's cost beside a plain step's.
+policy's), so the summary sets a probe step's cost beside a plain step's
+(0: the policy chooses). PROMPT_CHARS (default 300, as the load runs of
+`load_docs`) caps the prompts' length; `dspark bench serve` replays up to 2000.
 """
 
 from __future__ import annotations
@@ -172,9 +174,12 @@ def summarise(records: Sequence[StepRecord], cost=None) -> str:
 
 def main(argv: list[str]) -> None:
     """DRAFTER POLICY CONCURRENCY STEPS (no argparse outside cli.py)."""
-    if len(argv) not in (4, 5) or not all(a.isdigit() and int(a) > 0 for a in argv[2:]):
-        raise SystemExit("usage: python -m dspark.bench.steps DRAFTER POLICY CONCURRENCY STEPS [PROBE_EVERY] "
-                         "(positive integers; e.g. dspark/assets/drafters/smollm2-135m-dspark dspark 16 300)")
+    numbers = argv[2:]
+    if (len(argv) not in (4, 5, 6) or not all(a.isdigit() for a in numbers)
+            or not all(int(a) > 0 for k, a in enumerate(numbers) if k != 2)):
+        raise SystemExit("usage: python -m dspark.bench.steps DRAFTER POLICY CONCURRENCY STEPS [PROBE_EVERY "
+                         "[PROMPT_CHARS]] (integers > 0, PROBE_EVERY >= 0; e.g. "
+                         "dspark/assets/drafters/smollm2-135m-dspark dspark 16 300)")
     import torch
 
     from dspark.bench.arms import Arm
@@ -188,18 +193,19 @@ def main(argv: list[str]) -> None:
     drafter_spec, policy_name, concurrency, steps = argv[0], argv[1], int(argv[2]), int(argv[3])
     torch.set_num_threads(1)  # as the load benchmark (dspark.bench.load_docs)
     loaded = load_target(None)
-    prompts = load_prompts("all", max_chars=300)
+    probe_every = int(argv[4]) if len(argv) > 4 else 0
+    prompts = load_prompts("all", max_chars=int(argv[5]) if len(argv) > 5 else 300)
     backend = InProcessBackend(loaded, prompts, SamplingSpec(max_new_tokens=64), concurrency, embedded=True)
     drafter, cost = backend._arm_parts(Arm("traced", drafter_spec, policy_name))
     options = {"k": drafter.block_size} if policy_name == "fixed" else {}
     policy = make_policy(policy_name, cost, **options)
-    if len(argv) == 5:
-        policy = EveryKthQuarter(policy, int(argv[4]))
+    if probe_every:
+        policy = EveryKthQuarter(policy, probe_every)
     engine = Engine(loaded.model, drafter, policy, backend.engine_config, tokenizer=loaded.tokenizer)
     encoder = ChatEncoder(loaded.tokenizer)
     records = trace_steps(engine, [encoder(p) for p in prompts], SamplingParams(temperature=0.0, max_new_tokens=64),
                           concurrency, steps)
-    forced = f", a quarter drafted every {argv[4]} steps" if len(argv) == 5 else ""
+    forced = f", a quarter drafted every {probe_every} steps" if probe_every else ""
     print(f"{drafter_spec} / {policy_name}, {concurrency} requests{forced}")
     print(summarise(records, cost))
 
