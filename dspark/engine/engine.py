@@ -11,10 +11,10 @@ decoding requests' verification.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -145,14 +145,16 @@ class Engine:
         seconds = time.perf_counter() - start
         self.num_steps += 1
         self.step_seconds += seconds
-        self._report_timing(plan, int((drafts.num_drafted > 0).sum()), verify_lens, seconds)
+        self._report_timing(plan, drafts, verify_lens, seconds)
         return outputs
 
-    def _report_timing(self, plan: StepPlan, drafted: int, verify_lens: list[int], seconds: float) -> None:
-        """Tell a policy that prices steps (`observe_step`) what a decode-only step cost."""
+    def _report_timing(self, plan: StepPlan, drafts: DraftProposal, verify_lens: list[int], seconds: float) -> None:
+        """Tell a policy that prices steps (`observe_step`) what a decode-only step cost
+        (`drafts`: the step's proposal before `_lay_out`, its rows the requests that drafted)."""
         observe = getattr(self.policy, "observe_step", None)
         if observe is None or plan.prefill or not plan.decode:
             return
+        drafted = int((drafts.num_drafted > 0).sum())
         observe(StepTiming(len(plan.decode), drafted, len(plan.decode) + sum(verify_lens), seconds))
 
     # --------------------------------------------------------------- stages

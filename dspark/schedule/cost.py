@@ -454,7 +454,7 @@ class ForwardGrid:
         fig.savefig(str(path), dpi=110)
 
 
-MEMO_ENTRIES = 1 << 16  # (B, R) prices a SplitCost remembers (about 6 MB at most)
+MEMO_ENTRIES = 1 << 16  # (B, R) prices a SplitCost remembers (under 10 MB of dict)
 
 
 class SplitCost:
