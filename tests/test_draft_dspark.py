@@ -236,7 +236,9 @@ def test_incremental_cache_equals_recompute_also_after_truncation(head):
 
 def test_observe_projects_lazily_and_equals_eager_projection():
     """observe only buffers the hidden states; the next propose (or truncate, or a full
-    budget) projects pending requests at once, giving what one-by-one projection gives."""
+    buffer) projects every pending request at once, giving what one-by-one projection gives."""
+    from dspark.draft.dspark import MAX_PENDING_ROWS
+
     target = _target()
     d = _drafter(target, "vanilla")
     tokens, hidden = _context(d, [9, 4], seed=3)
@@ -253,31 +255,20 @@ def test_observe_projects_lazily_and_equals_eager_projection():
     assert [s.kv.length for s in lazy] == [9, 4] and not lazy[0].pending
     assert torch.equal(a.draft_tokens, b.draft_tokens)
     torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-5, atol=1e-6)
-    # requests never drafted for keep their rows pending until all pending rows pass the budget,
-    # then the largest holders are projected until half the budget is left
-    row = len(d.tap_layers) * 32 * 4  # float32 bytes of one pending row
-    d.pending_budget_bytes = 100 * row
-    big, mid, small = d.new_state(), d.new_state(), d.new_state()
-    many = torch.randn(60, len(d.tap_layers), 32)
-    d.observe([big, mid], [torch.zeros(60, dtype=torch.int64), torch.zeros(30, dtype=torch.int64)],
-              [many, many[:30]])
-    assert big.kv.length == mid.kv.length == 0 and d.pending_bytes() == 90 * row
-    d.observe([small, mid], [torch.zeros(5, dtype=torch.int64), torch.zeros(6, dtype=torch.int64)],
-              [many[:5], many[:6]])  # 101 rows pending: project big (60), leaving 41 <= 50
-    assert (big.kv.length, big.num_pending) == (60, 0) and d.pending_bytes() == 41 * row
-    assert (mid.kv.length, mid.num_pending, small.num_pending) == (0, 36, 5)
+    # a request never drafted for projects once it holds MAX_PENDING_ROWS rows
+    state = d.new_state()
+    many = torch.randn(MAX_PENDING_ROWS - 1, len(d.tap_layers), 32)
+    d.observe([state], [torch.zeros(MAX_PENDING_ROWS - 1, dtype=torch.int64)], [many])
+    assert state.kv.length == 0 and state.num_pending == MAX_PENDING_ROWS - 1
+    d.observe([state], [torch.zeros(1, dtype=torch.int64)], [many[:1]])
+    assert state.kv.length == MAX_PENDING_ROWS and state.num_pending == 0
     # truncating into pending rows, and release, leave a consistent state
-    d.observe([big], [torch.zeros(3, dtype=torch.int64)], [many[:3]])
-    d.truncate(big, 61)
-    assert big.num_context == 61 and not big.pending and d.pending_bytes() == 41 * row
-    d.observe([big], [torch.zeros(2, dtype=torch.int64)], [many[:2]])
-    d.release(big)
-    assert big.num_context == 0 and d.pending_bytes() == 41 * row
-    del small  # a state dropped without release stops counting against the budget
-    import gc
-
-    gc.collect()
-    assert d.pending_bytes() == 36 * row
+    d.observe([state], [torch.zeros(3, dtype=torch.int64)], [many[:3]])
+    d.truncate(state, MAX_PENDING_ROWS + 1)
+    assert state.num_context == MAX_PENDING_ROWS + 1 and not state.pending
+    d.observe([state], [torch.zeros(2, dtype=torch.int64)], [many[:2]])
+    d.release(state)
+    assert state.num_context == 0
 
 
 def test_batched_propose_equals_one_request_at_a_time():

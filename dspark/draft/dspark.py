@@ -12,7 +12,6 @@ given x_{k-1} (eq. 7), calibrated per position by STS temperatures.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -28,18 +27,17 @@ from dspark.models.config import TargetConfig
 from dspark.types import DraftProposal, SamplingParams
 
 
-# how much memory the tapped hidden states of observed but unprojected rows may take across all
-# of a drafter's requests before observe projects the largest holders. A pending row (5 x 576
-# float32 = 11.5 KB for the shipped drafter, a quarter of the target's float32 keys and values of a
-# token) takes more memory than its projection (3 layers' keys and values, 4.6 KB), so the budget
-# bounds that extra: 512 MiB is about 46 000 rows, 64 requests of 700 tokens. Under it a request
-# the draft gate never drafts (most requests at high load on a CPU) finishes without its context
-# ever being projected: with the earlier per-request cap of 256 rows, every prompt of bench serve
-# (up to 2000 characters, about 500 tokens) was projected at prefill (docs/LOAD.md, run AE).
-PENDING_BUDGET_BYTES = 512 << 20
+# observed rows a request may hold unprojected before observe projects them anyway. A pending
+# row (the tapped hidden states, 5 x 576 float32 = 11.5 KB for the shipped drafter) takes more
+# memory than its projection (3 layers' keys and values, 4.6 KB), so the cap bounds that extra
+# (1.8 MB a request at 256 rows). It is high enough that a request the draft gate never drafts
+# (every request at high load on a CPU) usually finishes without being projected at all: at 64
+# clients with a 64-row cap, projecting for requests that never drafted cost about 1 % of the
+# step time (docs/LOAD.md, run AA).
+MAX_PENDING_ROWS = 256
 
 
-@dataclass(eq=False)  # identity: the drafter keeps its holders of pending rows in a WeakSet
+@dataclass
 class DSparkState:
     """One request's drafter state: projected context keys/values per draft layer, and the
     tapped hidden states of committed tokens not projected yet (see `DSparkDrafter.observe`)."""
@@ -99,9 +97,6 @@ class DSparkDrafter(DraftVocabMixin, ParallelBackbone, TrainableDrafter):
         self.register_buffer("calibration", torch.tensor(temps, dtype=torch.float32), persistent=False)
         self.draft_w2: torch.Tensor | None = None  # [K, r] W2 rows of the draft vocabulary, if one is set
         self._check_no_draft_vocab()
-        self.pending_budget_bytes = PENDING_BUDGET_BYTES
-        self._holders: weakref.WeakSet[DSparkState] = weakref.WeakSet()  # states holding pending rows
-        self._row_bytes = 0  # bytes of one pending row (the last observed tapped hidden states)
 
     # ------------------------------------------------------------ protocol
     def new_state(self) -> DSparkState:
@@ -111,42 +106,23 @@ class DSparkDrafter(DraftVocabMixin, ParallelBackbone, TrainableDrafter):
     def observe(self, states, token_ids, tapped_hidden) -> None:
         """Take the committed tokens' tapped hidden states. They are projected into context
         keys/values lazily, for all pending requests at once, when a request is drafted for
-        next (or when the pending rows of all requests pass `pending_budget_bytes`): steps on
-        which the scheduler skips drafting then cost no drafter work, a request that is never
-        drafted is never projected, and one batched projection replaces many one-row ones."""
+        next (or holds MAX_PENDING_ROWS): steps on which the scheduler skips drafting then
+        cost no drafter work, and one batched projection replaces many one-row ones."""
         if tapped_hidden is None:
             raise ValueError(f"{self.name} needs the target's hidden states of layers {self.tap_layers}")
         lengths = [int(h.shape[0]) for h in tapped_hidden]
         if lengths != [int(t.shape[0]) for t in token_ids]:
             raise ValueError("observe needs one hidden-state row per committed token")
+        full = []
         for state, hidden, n in zip(states, tapped_hidden, lengths):
             if not n:
                 continue
             if hidden.dim() != 3 or hidden.shape[1] != len(self.tap_layers):
                 raise ValueError(f"expected hidden states of {len(self.tap_layers)} tapped layers, got {tuple(hidden.shape)}")
             state.add_pending(hidden.detach().to(self.device, copy=True))  # not a view of the step's batch
-            self._holders.add(state)
-            self._row_bytes = hidden[0].numel() * hidden.element_size()
-        self._keep_pending_in_budget()
-
-    def pending_bytes(self) -> int:
-        """Memory the pending rows of all live requests take."""
-        return sum(s.num_pending for s in self._holders) * self._row_bytes
-
-    def _keep_pending_in_budget(self) -> None:
-        """Over the budget, project the largest holders until half of it is left pending (so a
-        drafter near its budget does not project a little at every step)."""
-        held = sorted(self._holders, key=lambda s: s.num_pending, reverse=True)
-        left = sum(s.num_pending for s in held) * self._row_bytes
-        if left <= self.pending_budget_bytes:
-            return
-        chosen = []
-        for state in held:
-            if left <= self.pending_budget_bytes // 2:
-                break
-            chosen.append(state)
-            left -= state.num_pending * self._row_bytes
-        self.project_pending(chosen)
+            if state.num_pending >= MAX_PENDING_ROWS:
+                full.append(state)
+        self.project_pending(full)
 
     @torch.no_grad()
     def project_pending(self, states: list[DSparkState]) -> None:
@@ -163,7 +139,6 @@ class DSparkDrafter(DraftVocabMixin, ParallelBackbone, TrainableDrafter):
         for state, k, v in zip(states, keys.split(lengths, dim=1), values.split(lengths, dim=1)):
             state.kv.append(k, v)
             state.clear_pending()
-            self._holders.discard(state)
 
     @torch.no_grad()
     def propose(
@@ -195,7 +170,6 @@ class DSparkDrafter(DraftVocabMixin, ParallelBackbone, TrainableDrafter):
     def release(self, state: DSparkState) -> None:  # noqa: D102
         state.kv = self.new_context_kv()
         state.clear_pending()
-        self._holders.discard(state)
 
     def _draft_vocab_changed(self) -> None:
         """The Markov transition's W2 rows of the draft vocabulary (see DraftVocabMixin)."""
