@@ -33,7 +33,9 @@ from dspark.types import DraftProposal, SamplingParams
 # (1.8 MB a request at 256 rows). It is high enough that a request the draft gate never drafts
 # (every request at high load on a CPU) usually finishes without being projected at all: at 64
 # clients with a 64-row cap, projecting for requests that never drafted cost about 1 % of the
-# step time (docs/LOAD.md, run AA).
+# step time (docs/LOAD.md, run AA). No per-request cap (rows pending until the request drafts,
+# under one memory budget across requests) was tried and reverted: what it saved in observe the
+# gate's probes spent projecting whole contexts inside short decode steps (docs/LOAD.md, run AE).
 MAX_PENDING_ROWS = 256
 
 
