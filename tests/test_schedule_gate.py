@@ -422,20 +422,42 @@ def test_the_gate_drafts_no_one_the_scheduler_would_verify_nothing_of():
     with curve (0.9, 0.81, 0.729). Verifying all three pays (3.439 / 117 ms = 29 tok/s against
     1 / 50 ms = 20), so the gate's search of the whole path drafts. Algorithm 1 stops at the cliff
     (1.9 / 115 ms < 1 / 55 ms) and would verify nothing: under the causal scheduler the gate
-    drafts no one (and counts the veto); under the asynchronous one, whose capacity search looks
-    past the cliff too, it drafts. PrefixScheduler and AsyncPrefixScheduler build their gates so."""
+    drafts no one (and counts the veto); a scheduler whose rule looks past the cliff lets it draft."""
     cost = SplitCost(CostTable({1: 0.050, 2: 0.110, 3: 0.111, 4: 0.112}), CostTable({1: 0.005, 2: 0.010}))
     curve = [0.9, 0.81, 0.729]
-    for early_stop, drafts in ((True, [False]), (False, [True])):
-        gate = DraftGate(cost, early_stop=early_stop)
-        gate.record([_req("a", [0.9, 0.9, 0.9])])
-        assert gate.best_drafts([curve]) == [True]
-        assert gate.verified_any([curve], [True]) is not early_stop
-        assert gate.choose(["a"]) == drafts and gate.vetoed == int(early_stop)
-    assert PrefixScheduler(cost).gate.early_stop and not AsyncPrefixScheduler(cost).gate.early_stop
+    gate = DraftGate(cost)
+    gate.record([_req("a", [0.9, 0.9, 0.9])])
+    assert gate.best_drafts([curve]) == [True] and not gate.verified_any([curve], [True])
+    assert gate.choose(["a"]) == [False] and gate.vetoed == 1
+    asked = []
+    gate = DraftGate(cost, would_verify=lambda ids, curves, chosen: asked.append((list(ids), chosen)) or True)
+    gate.record([_req("a", [0.9, 0.9, 0.9])])
+    assert gate.choose(["a"]) == [True] and gate.vetoed == 0 and asked == [(["a"], [True])]
+    assert PrefixScheduler(cost).gate.would_verify(["a"], [curve], [True]) is False
     # a curve Algorithm 1 verifies before the cliff is drafted under both
     assert DraftGate(cost).verified_any([[0.99, 0.98, 0.97]], [True]) is False  # 1.99 / 115 < 1 / 55: still the cliff
     flat = SplitCost(CostTable({1: 0.050, 2: 0.060, 4: 0.070}), CostTable({1: 0.005, 2: 0.010}))
     gate = DraftGate(flat)
     gate.record([_req("a", [0.9, 0.9, 0.9])])
     assert gate.verified_any([curve], [True]) and gate.choose(["a"]) == [True] and gate.vetoed == 0
+
+
+def test_the_async_gate_vetoes_by_the_rule_its_next_decide_will_use():
+    """The cost of the test above. The asynchronous scheduler's decide takes its capacity from a
+    whole-path search over the snapshot two calls back when that snapshot has confidences (past
+    the cliff: it verifies), and falls back to Algorithm 1 when it has none (stops at the cliff:
+    verifies nothing). Its gate's veto follows the same rule, step by step; the decide that
+    follows each choice agrees with it."""
+    cost = SplitCost(CostTable({1: 0.050, 2: 0.110, 3: 0.111, 4: 0.112}), CostTable({1: 0.005, 2: 0.010}))
+    sched = AsyncPrefixScheduler(cost)
+    plain = ScheduleRequest("a", 0)
+    assert sched.choose_drafts(["a"]) == [True]  # no curve yet: a probe learns one
+    assert sum(sched.decide([_req("a", [0.9, 0.9, 0.9])])) == 0  # no snapshot yet: Algorithm 1, the cliff
+    assert sched.choose_drafts(["a"]) == [False] and sched.gate.vetoed == 1  # the next snapshot is empty
+    sched.decide([plain])
+    # the next decide reads the drafted step's snapshot: its capacity search looks past the cliff
+    assert sched.gate.would_verify(["a"], [[0.9, 0.81, 0.729]], [True])
+    assert sched.choose_drafts(["a"]) == [True] and sched.gate.vetoed == 1
+    assert sched.decide([_req("a", [0.9, 0.9, 0.9])]) == [3] and sched.last_capacity == 3
+    # two calls back is now the plain step: Algorithm 1 again, and the veto with it
+    assert sched.choose_drafts(["a"]) == [False] and sched.gate.vetoed == 2

@@ -64,14 +64,19 @@ Drafts the scheduler would not verify: the gate prices steps with measured
 cost ratios, the scheduler that picks verify lengths with the profile alone
 (its choice does not depend on one common scale of a drafted step's cost, but
 the gate compares drafted with plain steps, whose ratios differ). So before
-drafting, the gate runs the scheduler's own walk over the raw curves of the
-requests it chose (`early_stop` as the scheduler: Algorithm 1 stops at the
-first candidate that does not raise Theta, the asynchronous scheduler searches
-the whole path) and drafts no one when that walk admits nothing: a draft that
-would be verified for no token is pure cost. Measured (docs/LOAD.md, runs
-AB and AC): at 64 clients the gate drafted some requests in 50-75 % of the
-steps at a verification budget of 1.003 (plain steps ran at about 1.17x their
-price, drafted ones at 1.07x); with the veto, in 5 %.
+drafting, the gate asks the scheduler's own rule (`would_verify`) whether it
+would verify any token of the requests it chose, on their raw curves, and
+drafts no one when it would not: a draft verified for no token is pure cost.
+By default that rule is Algorithm 1's walk, which stops at the first candidate
+that does not raise Theta (`verified_any`); the asynchronous scheduler passes
+its own (its capacity search over the snapshot it will read, or Algorithm 1
+when that snapshot has no confidences). Measured (docs/LOAD.md, runs AB and
+AC): at 64 clients the gate drafted some requests in 50-75 % of the steps at a
+verification budget of 1.003 (plain steps ran at about 1.17x their price,
+drafted ones at 1.07x); with the veto, in 5 %. Run AF: the asynchronous
+scheduler's gate once vetoed as if its capacity search decided, while at high
+load its decide fell back to Algorithm 1 (the snapshot two steps back had
+drafted no one) and verified nothing of 31 drafted requests.
 
 Free drafting: when one batched `propose` costs at most `free_fraction`
 (2 %) of a plain decode step, D(R) <= free_fraction x F(R), the gate drafts
@@ -93,7 +98,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from dspark.schedule.base import ScheduleOutcome, ScheduleRequest, StepTiming, survival
 from dspark.schedule.cost import SplitCost
@@ -109,7 +114,8 @@ class DraftGate:
 
     def __init__(self, cost: SplitCost, probe_every: int = 32, history: int = 64, decay: float = 0.98,
                  probe_fraction: float = 0.25, free_fraction: float = 0.02, max_probe_every: int | None = None,
-                 early_stop: bool = True) -> None:
+                 would_verify: Callable[[Sequence[Hashable], Sequence[Sequence[float]], Sequence[bool]], bool]
+                 | None = None) -> None:
         if probe_every < 1 or history < 1:
             raise ValueError(f"probe_every and history must be >= 1, got {probe_every} and {history}")
         max_probe_every = 4 * probe_every if max_probe_every is None else max_probe_every
@@ -123,7 +129,8 @@ class DraftGate:
             raise ValueError(f"free_fraction must be in [0, 1), got {free_fraction}")
         self.cost, self.probe_every, self.decay, self.probe_fraction = cost, probe_every, decay, probe_fraction
         self.free_fraction = free_fraction
-        self.early_stop = early_stop  # how the scheduler deciding verify lengths walks (see `verified_any`)
+        # the scheduler's rule: would it verify any token if these requests (ids, raw curves) drafted?
+        self.would_verify = would_verify or (lambda ids, curves, chosen: self.verified_any(curves, chosen))
         self.vetoed = 0  # choices of drafts the scheduler's own walk would verify nothing of
         self.max_probe_every = max_probe_every
         self.probe_interval = probe_every  # steps between probes now: doubles while probes find nothing
@@ -161,7 +168,7 @@ class DraftGate:
         ratio = self.acceptance_ratio()
         raw = [self.curves.get(i, proxy) for i in ids]
         chosen = self.best_drafts([[min(1.0, a * ratio) for a in c] for c in raw])
-        if any(chosen) and not self.verified_any(raw, chosen):
+        if any(chosen) and not self.would_verify(ids, raw, chosen):
             self.vetoed += 1
             chosen = [False] * len(ids)
         if any(chosen):  # drafting pays for someone: probe at the base rate
@@ -252,16 +259,15 @@ class DraftGate:
         return [i in best_reached for i in range(r)]
 
     def verified_any(self, curves: Sequence[Sequence[float]], chosen: Sequence[bool]) -> bool:
-        """Would the scheduler verify any token if the `chosen` requests drafted with these
-        survival curves? Its walk (Algorithm 1's, `early_stop` as the scheduler) over the chosen
-        requests' candidates, on the profile's SPS of a step of all R requests with the chosen
-        ones drafting (the same curve the scheduler walks)."""
+        """Would Algorithm 1 verify any token if the `chosen` requests drafted with these survival
+        curves? Its walk (early stop) over the chosen requests' candidates, on the profile's SPS
+        of a step of all R requests with the chosen ones drafting (the curve the scheduler walks)."""
         from dspark.schedule.prefix import greedy_walk, ranked_candidates
 
         r = len(curves)
         cands = ranked_candidates([c if draft else [] for c, draft in zip(curves, chosen)])
         curve = self.cost.given_requests(sum(chosen), r)
-        return greedy_walk(cands, curve, r, r, early_stop=self.early_stop) > 0
+        return greedy_walk(cands, curve, r, r, early_stop=True) > 0
 
     def record(self, requests: Sequence[ScheduleRequest]) -> None:
         """Remember the survival curve of every request that drafted with confidences;

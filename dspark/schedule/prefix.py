@@ -212,11 +212,11 @@ class AsyncPrefixScheduler:
         if lag < 1:
             raise ValueError(f"lag must be >= 1, got {lag}")
         self.cost = cost
-        self.gate = DraftGate(cost, early_stop=False) if isinstance(cost, SplitCost) else None
         self.lag = lag
         self._history: deque[list[ScheduleRequest]] = deque(maxlen=lag)
         self._causal = PrefixScheduler(cost)
         self.last_capacity: int | None = None  # K of the last decide before clipping (None: causal fallback)
+        self.gate = DraftGate(cost, would_verify=self.would_verify) if isinstance(cost, SplitCost) else None
 
     def reset(self) -> None:
         """Forget the history (e.g. after the engine drains)."""
@@ -226,6 +226,26 @@ class AsyncPrefixScheduler:
     def choose_drafts(self, request_ids: Sequence[Hashable]) -> list[bool]:
         """Before drafting: which requests draft this step? (see PrefixScheduler.choose_drafts)"""
         return [True] * len(request_ids) if self.gate is None else self.gate.choose(request_ids)
+
+    def would_verify(self, ids: Sequence[Hashable], curves: Sequence[Sequence[float]], chosen: Sequence[bool]) -> bool:
+        """The draft gate's veto under this scheduler: would the next `decide` verify any token if
+        the `chosen` requests of `ids` drafted, with these (stale) survival curves standing in for
+        the confidences they will have? That decide reads its capacity off the snapshot `lag`
+        calls back when it has confidences (its whole-path search), and otherwise falls back to
+        Algorithm 1 (early stop); so does the veto. Between the gate's choice and that decide
+        no other decide runs, so the snapshot is the same one. Under load most steps draft no
+        one, so the snapshot seldom has confidences: run AF (docs/LOAD.md) saw the gate,
+        vetoing as if the whole-path search decided, draft 31 of 32 requests that the fallback
+        then verified nothing of."""
+        past = self._history[0] if len(self._history) == self.lag else None
+        if past is not None:
+            # presence only: `capacity` reads which requests drafted and how far, never confidences
+            planned = [ScheduleRequest(i, len(c), [1.0] * len(c)) if draft else ScheduleRequest(i, 0)
+                       for i, c, draft in zip(ids, curves, chosen)]
+            capacity = self.capacity(past, planned)
+            if capacity is not None:
+                return capacity > 0
+        return self.gate.verified_any(curves, chosen)
 
     def decide(self, requests: list[ScheduleRequest]) -> list[int]:
         if self.gate is not None and requests:
