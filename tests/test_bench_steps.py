@@ -29,6 +29,10 @@ def test_trace_records_every_step_and_restores_the_engine():
     assert any(r.drafted for r in records[1:])  # the prompts repeat: prompt lookup finds matches
     assert "forward" not in vars(target) and "propose" not in vars(drafter)  # the wrappers are gone
     assert "plan" not in vars(engine.batcher)
+    assert "decide" not in vars(engine.policy) and "choose_drafts" not in vars(engine.policy)
+    # fixed k verifies every drafted token, and has no gate to probe
+    assert all(r.verified > 0 for r in records if r.drafted) and not any(r.probe for r in records)
+    assert all(r.verified == 0 for r in records if not r.drafted)
     grid = ForwardGrid({2: CostTable({2: 0.01, 8: 0.02})})
     text = summarise(records, SplitCost(grid, CostTable({1: 0.001, 2: 0.002})))
     assert "decode-only steps of 2 requests" in text and "profile F(2," in text
@@ -40,12 +44,16 @@ def test_summary_groups_decode_steps_by_budget():
     def rec(budget, forward, drafted):
         return StepRecord(seconds=forward + 0.01, forward=forward, propose=0.01 if drafted else 0.0, observe=0.0,
                           budget=budget, requests=4, decoding=4, prefill=56 if budget == 60 else 0, drafted=drafted,
-                          tokens=4 + (budget - 4) * drafted)
+                          tokens=4 + (budget - 4) * drafted, verified=(budget - 4) * drafted)
     records = [rec(4, 0.10, False), rec(4, 0.12, False), rec(6, 0.15, True), rec(60, 0.5, False)]  # last: a prefill
     text = summarise(records)
     assert "3 decode-only steps of 4 requests" in text
     assert "B=4: 2 steps, forward median 110.0 ms" in text and "B=60" not in text
-    assert "   plain: 2 steps" in text and " drafted: 1 steps" in text
+    assert "   plain: 2 steps" in text and " drafted: 1 steps" in text and "gate:" not in text
+    records += [StepRecord(seconds=0.2, forward=0.1, propose=0.05, observe=0.0, budget=4, requests=4, decoding=4,
+                           prefill=0, drafted=True, tokens=4, verified=0, probe=probe) for probe in (True, True, False)]
+    assert ("gate: 4 drafted steps: 2 probes (2 verified nothing), 2 chosen (1 verified nothing); 7 vetoes"
+            in summarise(records, vetoes=7))
     assert summarise([]) == "no steps"
 
 
@@ -74,3 +82,22 @@ def test_every_kth_quarter_drafts_a_probe_sized_part_and_delegates_the_rest():
                  ["d", "dspark", "16", "10", "0", "0"], ["d", "dspark", "16", "10", "0", "300", "1"]):
         with pytest.raises(SystemExit, match="usage"):
             main(argv)
+
+
+def test_trace_marks_the_gates_probes_and_counts_what_was_verified():
+    """Under a prefix scheduler the gate's first choice, before any curve exists, is a probe;
+    afterwards prompt lookup's confident matches are the gate's own choices."""
+    target = tiny_target(seed=0)
+    cost = SplitCost(ForwardGrid({2: CostTable({2: 0.01, 8: 0.02})}), CostTable({1: 0.001, 2: 0.002}))
+    engine = Engine(target, NgramDrafter(block_size=3), make_policy("dspark", cost),
+                    EngineConfig(max_running=2, max_seq_len=64))
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 9, 10, 11]]
+    records = trace_steps(engine, prompts, SamplingParams(temperature=0.0, max_new_tokens=6), 2, 8, progress=False)
+    assert [r.probe for r in records[:2]] == [False, True] and records[1].drafted and records[1].verified == 1
+    chosen = [r for r in records[2:] if r.drafted]
+    assert chosen and not any(r.probe for r in chosen) and all(r.verified == 0 for r in records if not r.drafted)
+    nothing = sum(r.verified == 0 for r in chosen)
+    assert "decide" not in vars(engine.policy) and "choose_drafts" not in vars(engine.policy)
+    assert (f"gate: {1 + len(chosen)} drafted steps: 1 probes (0 verified nothing), {len(chosen)} chosen "
+            f"({nothing} verified nothing); {engine.policy.gate.vetoed} vetoes"
+            in summarise(records, cost, engine.policy.gate.vetoed))

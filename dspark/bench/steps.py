@@ -8,6 +8,11 @@ seconds of the target forward, of the drafter's `propose` and `observe`, of the
 whole step, and the tokens it committed. Decode-only steps (no prompt chunk in
 them) are then grouped by B and their median forward time is set beside the
 profile's F(R, B), which is the number the draft gate priced the step with.
+With a draft gate (the prefix schedulers) it also records whether a drafted
+step was the gate's probe and how many draft tokens the scheduler then sent
+to verification, so the summary counts the gate's own choices that verified
+nothing, and its vetoes: session 27 found the asynchronous scheduler's gate
+drafting 31 of 32 requests for nothing this way (docs/LOAD.md, run AF).
 
 Session 21 found run Q's regression this way (docs/LOAD.md, runs R and S): the
 gate drafted two requests in nearly every step at 16 clients because the cached
@@ -50,6 +55,8 @@ class StepRecord:
     prefill: int  # prompt tokens computed in the step
     drafted: bool  # the policy drafted for at least one request
     tokens: int  # tokens committed
+    verified: int = 0  # draft tokens the policy sent to verification
+    probe: bool = False  # the draft gate's probe chose (some of) the drafts
 
 
 def trace_steps(engine, prompts: Sequence[list[int]], params, concurrency: int, steps: int,
@@ -85,9 +92,24 @@ def trace_steps(engine, prompts: Sequence[list[int]], params, concurrency: int, 
         cur["prefill"] = sum(length for _, length in out.prefill)
         return out
 
+    policy, gate = engine.policy, getattr(engine.policy, "gate", None)
+    policy_decide, policy_choose = policy.decide, getattr(policy, "choose_drafts", None)
+
+    def decide(*args, **kwargs):
+        lengths = policy_decide(*args, **kwargs)
+        cur["verified"] = cur.get("verified", 0) + sum(lengths)
+        return lengths
+
+    def choose(*args, **kwargs):
+        chosen = policy_choose(*args, **kwargs)
+        cur["probe"] = bool(gate is not None and gate.probed)
+        return chosen
+
     wrapped = {(target, "forward"): forward, (drafter, "propose"): timed("propose", drafter.propose),
                (drafter, "observe"): timed("observe", drafter.observe),
-               (engine.batcher, "plan"): plan}
+               (engine.batcher, "plan"): plan, (policy, "decide"): decide}
+    if policy_choose is not None:
+        wrapped[(policy, "choose_drafts")] = choose
     missing = object()
     saved = {key: vars(key[0]).get(key[1], missing) for key in wrapped}
     for (obj, name), fn in wrapped.items():
@@ -109,7 +131,8 @@ def trace_steps(engine, prompts: Sequence[list[int]], params, concurrency: int, 
                 observe=cur.get("observe", 0.0), budget=int(cur.get("budget", 0)),
                 requests=int(cur.get("requests", 0)), decoding=len(outputs), prefill=int(cur.get("prefill", 0)),
                 drafted=engine.num_full_drafts + engine.num_partial_drafts > drafted_before,
-                tokens=sum(len(o.new_token_ids) for o in outputs)))
+                tokens=sum(len(o.new_token_ids) for o in outputs), verified=int(cur.get("verified", 0)),
+                probe=bool(cur.get("probe", False))))
             for out in outputs:
                 if out.finished:
                     engine.pop_finished(out.request_id)
@@ -142,9 +165,11 @@ class EveryKthQuarter:
         return getattr(self.policy, name)
 
 
-def summarise(records: Sequence[StepRecord], cost=None) -> str:
+def summarise(records: Sequence[StepRecord], cost=None, vetoes: int | None = None) -> str:
     """Plain and drafted decode-only steps (every request decoding, no prompt chunk) side by
-    side, then each B's median forward against the profile's F(R, B) when `cost` is given."""
+    side, then each B's median forward against the profile's F(R, B) when `cost` is given;
+    with `vetoes` (a draft gate's count), the drafted steps split into probes and the gate's
+    own choices, and how many of each verified no draft token."""
     if not records:
         return "no steps"
     full = max(r.decoding for r in records)
@@ -162,6 +187,13 @@ def summarise(records: Sequence[StepRecord], cost=None) -> str:
                          f"{1e3 * mean['forward']:.1f}, propose {1e3 * mean['propose']:.1f}, observe "
                          f"{1e3 * mean['observe']:.1f}), B {mean['budget']:.2f}, {mean['tokens']:.2f} tokens, "
                          f"{mean['tokens'] / mean['seconds']:.1f} tok/s")
+    if vetoes is not None:
+        drafted = [r for r in records if r.drafted]
+        probes = [r for r in drafted if r.probe]
+        chosen = [r for r in drafted if not r.probe]
+        lines.append(f"    gate: {len(drafted)} drafted steps: {len(probes)} probes ({sum(r.verified == 0 for r in probes)} "
+                     f"verified nothing), {len(chosen)} chosen ({sum(r.verified == 0 for r in chosen)} verified "
+                     f"nothing); {vetoes} vetoes")
     by_budget: dict[int, list[float]] = defaultdict(list)
     for r in decode:
         by_budget[r.budget].append(r.forward)
@@ -207,7 +239,8 @@ def main(argv: list[str]) -> None:
                           concurrency, steps)
     forced = f", a quarter drafted every {probe_every} steps" if probe_every else ""
     print(f"{drafter_spec} / {policy_name}, {concurrency} requests{forced}")
-    print(summarise(records, cost))
+    gate = getattr(getattr(policy, "policy", policy), "gate", None)
+    print(summarise(records, cost, None if gate is None else gate.vetoed))
 
 
 if __name__ == "__main__":
