@@ -102,6 +102,9 @@ def test_http_mode_reads_a_running_server(tmp_path):
     with running_server(make_engine(seed=5, policy="fixed")) as server:
         report = run_load_bench([parse_arm(f"srv={server.base_url}")], settings, out_dir=tmp_path, progress=False)
         server.wait_idle()
+        finished = sum(server.async_engine.metrics._counters.finished.values())
+    # 2 clients' warm-up pass, then per level 1 warm-up request and 3 timed ones
+    assert finished == 2 + 2 * (1 + 3)
     assert report.mode == "http" and report.arms[0]["model"] == "tiny-test"
     for point in report.points:
         assert point.completed == 3 and point.failed == 0
@@ -125,6 +128,23 @@ def test_wall_time_limits_cut_requests_and_skip_levels(tmp_path):
     assert first.cut == 2 and first.completed == 0 and first.duration_s == pytest.approx(0.6, abs=0.05)
     assert first.output_tokens > 0 and first.throughput > 0
     assert [(s["pattern"], s["level"]) for s in report.skipped] == [("closed", 4)]
+
+
+def test_the_warm_up_pass_can_be_turned_off_and_never_eats_the_timed_levels(tmp_path):
+    """Without the pass only the per-level warm-up request precedes the timed ones; with a pass
+    slower than max_seconds the first level still runs (the pass does not count against it)."""
+    base = dict(concurrency=(2,), requests_per_level=2, level_seconds=30, bench="mbpp",
+                sampling=SamplingSpec(max_new_tokens=10), max_prompt_chars=150)
+    with running_server(make_engine(seed=5, delay_s=0.1, policy="fixed")) as server:  # a pass of 8 steps: >= 0.8 s
+        run_load_bench([parse_arm(f"srv={server.base_url}")], LoadSettings(**base, warmup_pass=False),
+                       out_dir=tmp_path, progress=False)
+        server.wait_idle()
+        assert sum(server.async_engine.metrics._counters.finished.values()) == 1 + 2
+        report = run_load_bench([parse_arm(f"srv={server.base_url}")], LoadSettings(**base, max_seconds=0.25),
+                                out_dir=tmp_path, progress=False)
+        server.wait_idle()
+        assert sum(server.async_engine.metrics._counters.finished.values()) == 3 + 2 + 1 + 2
+    assert not report.skipped and report.points[0].completed == 2
 
 
 def test_counters_need_the_drafted_steps_family():
@@ -270,7 +290,9 @@ def test_bench_serve_options_reach_the_settings(monkeypatch):
     assert [a.name for a in seen["arms"]] == ["a"] and seen["name"] == "x"
     cli.main(["bench", "serve", "--arm", "a=none:none"])
     assert seen["settings"].repeats == 1 and seen["settings"].sampling.temperature == 0.0  # greedy by default
-    assert seen["settings"].sampling.seed is None
+    assert seen["settings"].sampling.seed is None and seen["settings"].warmup_pass
+    cli.main(["bench", "serve", "--arm", "a=none:none", "--no-warmup-pass"])
+    assert not seen["settings"].warmup_pass
 
 
 @pytest.mark.parametrize("argv,message", [(["--rates", "0.5,fast"], "--rates takes comma-separated numbers"),
@@ -308,3 +330,23 @@ def test_a_run_without_the_fixed_arm_is_checked_against_no_speculation_and_says_
     assert "nospec only" in "\n".join(goal_lines([goal]))
     complete = check_goals(rows + [_row("dspark-k7", 16, 40, 3, 2.0)], [], roles)[0]
     assert "partial" not in complete
+
+
+def test_order_bias_sets_each_point_against_its_other_repeats(tmp_path, capsys):
+    from dspark.bench.order_bias import main, ratios_to_other_repeats
+
+    def pt(arm, level, throughput):
+        return {"arm": arm, "pattern": "closed", "level": level, "throughput": throughput}
+    points = [pt("a", 1, 9.0), pt("b", 1, 10.0), pt("a", 1, 10.0), pt("b", 1, 10.0), pt("a", 1, 11.0), pt("c", 1, 5.0)]
+    assert ratios_to_other_repeats(points) == [pytest.approx(9 / 10.5), 1.0, pytest.approx(10 / 10), 1.0,
+                                               pytest.approx(11 / 9.5), None]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"settings": {"repeats": 3}, "points": points}))
+    (tmp_path / "one.json").write_text(json.dumps({"settings": {"repeats": 1}, "points": points}))
+    main([str(path), str(tmp_path / "one.json")])
+    out = capsys.readouterr().out
+    assert "first a at 1: 0.857x" in out and "1 runs: first point median 0.857x" in out
+    with pytest.raises(SystemExit, match="no report with two or more repeats"):
+        main([str(tmp_path / "one.json")])
+    with pytest.raises(SystemExit, match="usage"):
+        main([])

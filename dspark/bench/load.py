@@ -17,8 +17,11 @@ rates. Prompts are the first user turns of the evaluation benchmarks
 benchmarks; every arm replays the same prompts in the same order, greedy by
 default, so lossless arms generate identical tokens and do identical work.
 Each (arm, level) is bounded by a request count and a wall-time limit, and
-no level starts after `max_seconds` (so a run ends within max_seconds +
-level_seconds + warm-up): levels left over are listed, not run.
+no level starts after `max_seconds` of timed levels (so a run ends within
+max_seconds + level_seconds + warm-up): levels left over are listed, not run.
+Before the first timed level every arm runs once, untimed, at the largest
+load (`_warm_up_pass`, at most level_seconds an arm), so no arm pays for the
+process's first full batch.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class LoadSettings:
     max_prompt_chars: int = 2000  # skip longer first turns
     seed: int = 0  # prompt order and Poisson arrival times
     warmup_requests: int = 1  # short untimed requests per (arm, level) before timing
+    warmup_pass: bool = True  # before the first timed level, each arm once at the largest load, untimed (`_warm_up_pass`)
 
     def __post_init__(self) -> None:
         checks = [
@@ -226,6 +230,29 @@ async def _warm_up(client, run: _Run) -> None:
         await client.generate(run.prompts[i % len(run.prompts)], spec, sample, time.perf_counter())
 
 
+async def _warm_up_pass(arms: Sequence[Arm], run: _Run) -> None:
+    """Each arm once, untimed, at the run's largest closed-loop concurrency (16 clients with
+    Poisson rates only): that many clients, one short request each (8 new tokens).
+
+    Whatever a process does the first time (growing the allocator's heap for a full batch's
+    prefill and decode, touching fresh pages, the drafter's first projections and probes)
+    otherwise lands in the first timed levels; and since the arm order of a (repeat, level)
+    is a seeded shuffle, on the same arms, at the same arm. Measured (docs/LOAD.md, run AF):
+    in three of four runs at 32-64 clients the arm that ran first in the first level was
+    its slowest repeat, 4-10 % below its others (in run AF the DSpark scheduler, 55.5
+    tok/s against 62.1-62.6)."""
+    s = run.settings
+    clients = max([c for p, c in s.levels() if p == "closed"], default=16)
+    spec = dataclasses.replace(s.sampling, max_new_tokens=min(8, s.sampling.max_new_tokens))
+    for arm in arms:
+        run.bar.set_postfix_str(f"{arm.name} warm-up pass, {clients} clients (untimed)")
+        client = await run.backend.open(arm)
+        try:
+            await closed_loop(client, run.prompts, int(clients), int(clients), spec, s.level_seconds, lambda _: None)
+        finally:
+            await run.backend.release(arm, client)
+
+
 async def _measure(client, arm: Arm, pattern: str, level: float, repeat: int, run: _Run) -> LevelPoint:
     s = run.settings
     await _warm_up(client, run)
@@ -257,6 +284,10 @@ def arm_order(arms: Sequence[Arm], repeat: int, level_index: int) -> list[Arm]:
 async def _sweep(arms: list[Arm], run: _Run) -> None:
     levels = run.settings.levels()
     try:
+        if run.settings.warmup_pass:
+            started = time.perf_counter()
+            await _warm_up_pass(arms, run)
+            run.deadline += time.perf_counter() - started  # max_seconds bounds the timed levels
         for repeat in range(run.settings.repeats):
             for index, (pattern, level) in enumerate(levels):
                 for arm in arm_order(arms, repeat, index):
