@@ -237,10 +237,11 @@ async def _warm_up_pass(arms: Sequence[Arm], run: _Run) -> None:
     Whatever a process does the first time (growing the allocator's heap for a full batch's
     prefill and decode, touching fresh pages, the drafter's first projections and probes)
     otherwise lands in the first timed levels; and since the arm order of a (repeat, level)
-    is a seeded shuffle, on the same arms, at the same arm. Measured (docs/LOAD.md, run AF):
-    in three of four runs at 32-64 clients the arm that ran first in the first level was
-    its slowest repeat, 4-10 % below its others (in run AF the DSpark scheduler, 55.5
-    tok/s against 62.1-62.6)."""
+    is a seeded shuffle, on the same arms, at the same arm. Measured (docs/LOAD.md, run AF;
+    `python -m dspark.bench.order_bias`): over 36 earlier runs with repeats the first point
+    ran at a median 0.963x of the same arm and level in its other repeats, every later point
+    at 1.005x (in run AF the DSpark scheduler first, 55.5 tok/s against 62.1-62.6); with
+    this pass (run AG) the first point was 1.027x."""
     s = run.settings
     clients = max([c for p, c in s.levels() if p == "closed"], default=16)
     spec = dataclasses.replace(s.sampling, max_new_tokens=min(8, s.sampling.max_new_tokens))
