@@ -434,7 +434,7 @@ def test_the_gate_drafts_no_one_the_scheduler_would_verify_nothing_of():
     gate.record([_req("a", [0.9, 0.9, 0.9])])
     assert gate.choose(["a"]) == [True] and gate.vetoed == 0 and asked == [(["a"], [True])]
     assert PrefixScheduler(cost).gate.would_verify(["a"], [curve], [True]) is False
-    # a curve Algorithm 1 verifies before the cliff is drafted under both
+    # a curve that still stops at the cliff is vetoed; on a cost without the cliff it is drafted
     assert DraftGate(cost).verified_any([[0.99, 0.98, 0.97]], [True]) is False  # 1.99 / 115 < 1 / 55: still the cliff
     flat = SplitCost(CostTable({1: 0.050, 2: 0.060, 4: 0.070}), CostTable({1: 0.005, 2: 0.010}))
     gate = DraftGate(flat)
@@ -443,7 +443,7 @@ def test_the_gate_drafts_no_one_the_scheduler_would_verify_nothing_of():
 
 
 def test_the_async_gate_vetoes_by_the_rule_its_next_decide_will_use():
-    """The cost of the test above. The asynchronous scheduler's decide takes its capacity from a
+    """The cost curve of the test above, with its cliff at two tokens. The asynchronous scheduler's decide takes its capacity from a
     whole-path search over the snapshot two calls back when that snapshot has confidences (past
     the cliff: it verifies), and falls back to Algorithm 1 when it has none (stops at the cliff:
     verifies nothing). Its gate's veto follows the same rule, step by step; the decide that

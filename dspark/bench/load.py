@@ -223,8 +223,13 @@ class _Run:
     skipped: list[dict] = dataclasses.field(default_factory=list)
 
 
+def _short(sampling: SamplingSpec) -> SamplingSpec:
+    """The run's sampling with at most 8 new tokens: what the untimed warm-up requests ask."""
+    return dataclasses.replace(sampling, max_new_tokens=min(8, sampling.max_new_tokens))
+
+
 async def _warm_up(client, run: _Run) -> None:
-    spec = dataclasses.replace(run.settings.sampling, max_new_tokens=min(8, run.settings.sampling.max_new_tokens))
+    spec = _short(run.settings.sampling)
     for i in range(run.settings.warmup_requests):
         sample = RequestSample("warmup", 0.0)
         await client.generate(run.prompts[i % len(run.prompts)], spec, sample, time.perf_counter())
@@ -244,7 +249,7 @@ async def _warm_up_pass(arms: Sequence[Arm], run: _Run) -> None:
     this pass (run AG) the first point was 1.027x."""
     s = run.settings
     clients = max([c for p, c in s.levels() if p == "closed"], default=16)
-    spec = dataclasses.replace(s.sampling, max_new_tokens=min(8, s.sampling.max_new_tokens))
+    spec = _short(s.sampling)
     for arm in arms:
         run.bar.set_postfix_str(f"{arm.name} warm-up pass, {clients} clients (untimed)")
         client = await run.backend.open(arm)

@@ -27,7 +27,7 @@ every request commits.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from dspark.schedule.base import ScheduleOutcome, ScheduleRequest, StepTiming, survival
@@ -142,7 +142,7 @@ class PrefixScheduler:
             self.gate.record(requests)
         batch = _Batch.of(requests)
         cands = ranked_candidates(batch.survivals)
-        curve = curve_for(self.cost, _drafted(requests), len(requests))
+        curve = curve_for(self.cost, _drafted(q.num_drafted for q in requests), len(requests))
         n = greedy_walk(cands, curve, batch.base_tokens, len(requests), early_stop=True)
         return batch.lengths(cands[:n])
 
@@ -173,7 +173,7 @@ class RetrospectivePrefixScheduler(PrefixScheduler):
             return []
         batch = _Batch.of(requests)
         cands = ranked_candidates(batch.survivals)
-        curve = curve_for(self.cost, _drafted(requests), len(requests))
+        curve = curve_for(self.cost, _drafted(q.num_drafted for q in requests), len(requests))
         n = greedy_walk(cands, curve, batch.base_tokens, len(requests), early_stop=False)
         return batch.lengths(cands[:n])
 
@@ -239,10 +239,8 @@ class AsyncPrefixScheduler:
         then verified nothing of."""
         past = self._history[0] if len(self._history) == self.lag else None
         if past is not None:
-            # presence only: `capacity` reads which requests drafted and how far, never confidences
-            planned = [ScheduleRequest(i, len(c), [1.0] * len(c)) if draft else ScheduleRequest(i, 0)
-                       for i, c, draft in zip(ids, curves, chosen)]
-            capacity = self.capacity(past, planned)
+            capacity = self._capacity(past, [(i, len(c), True) if draft else (i, 0, False)
+                                             for i, c, draft in zip(ids, curves, chosen)])
             if capacity is not None:
                 return capacity > 0
         return self.gate.verified_any(curves, chosen)
@@ -269,21 +267,25 @@ class AsyncPrefixScheduler:
         Reads only `past` and the current requests' ids, num_drafted and
         whether they have confidences, never the current confidences.
         """
+        return self._capacity(past, [(q.request_id, q.num_drafted, q.confidences is not None) for q in requests])
+
+    def _capacity(self, past: Sequence[ScheduleRequest], current: Sequence[tuple[Hashable, int, bool]]) -> int | None:
+        """`capacity` for current requests given as (request id, num_drafted, has confidences)."""
         by_id: dict[Hashable, list[float]] = {q.request_id: survival(q) for q in past if q.confidences is not None}
         if not by_id:
             return None
         proxy = _mean_curve(list(by_id.values()))
         pinned_tokens = 0
         historical: list[list[float]] = []
-        for q in requests:
-            if q.confidences is None:
-                pinned_tokens += q.num_drafted
+        for request_id, num_drafted, has_confidences in current:
+            if not has_confidences:
+                pinned_tokens += num_drafted
                 historical.append([])
             else:
-                historical.append(by_id.get(q.request_id, proxy)[: q.num_drafted])
+                historical.append(by_id.get(request_id, proxy)[:num_drafted])
         cands = ranked_candidates(historical)
-        curve = curve_for(self.cost, _drafted(requests), len(requests))
-        return greedy_walk(cands, curve, len(requests) + pinned_tokens, len(requests), early_stop=False)
+        curve = curve_for(self.cost, _drafted(n for _, n, _ in current), len(current))
+        return greedy_walk(cands, curve, len(current) + pinned_tokens, len(current), early_stop=False)
 
     def commit(self, outcomes: list[ScheduleOutcome]) -> None:
         """History is recorded in decide (it must not wait for verification); the draft gate
@@ -297,10 +299,11 @@ class AsyncPrefixScheduler:
             self.gate.observe_step(timing)
 
 
-def _drafted(requests: Sequence[ScheduleRequest]) -> int:
-    """R of the drafting cost D(R): the requests that drafted this step (the engine may draft
-    only some of them, `DraftGate`); at least 1, the smallest batch D was measured for."""
-    return max(1, sum(q.num_drafted > 0 for q in requests))
+def _drafted(num_drafted: Iterable[int]) -> int:
+    """R' of the drafting cost D(R'), from each request's num_drafted: the requests that drafted
+    this step (the engine may draft only some of them, `DraftGate`); at least 1, the smallest
+    batch D was measured for."""
+    return max(1, sum(n > 0 for n in num_drafted))
 
 
 def _mean_curve(curves: Sequence[Sequence[float]]) -> list[float]:
