@@ -184,6 +184,19 @@ def test_probes_and_the_first_curve_draft_the_stalest_quarter():
     assert gate.choose(ids) == [False, True, True, False, False]  # b's curve is the oldest, then c's and d's
 
 
+def test_a_probe_drafts_at_most_max_probe_requests():
+    """A quarter of a big batch is too dear to probe on a CPU: a probe also projects each probed
+    request's unprojected context (at 64 requests, 16 probed requests' propose took 401 ms
+    against a 579 ms plain step, docs/LOAD.md run AI), so probes stop at max_probe (4)."""
+    gate = DraftGate(_split(50, 5, 40))
+    assert [gate.probe_size(r) for r in (1, 4, 5, 16, 17, 32, 64)] == [1, 1, 2, 4, 4, 4, 4]
+    ids = [f"r{i}" for i in range(64)]
+    assert sum(gate.choose(ids)) == 4  # nothing recorded yet: learn from four, not sixteen
+    assert DraftGate(_split(50, 5, 40), max_probe=16).probe_size(64) == 16
+    with pytest.raises(ValueError, match="max_probe"):
+        DraftGate(_split(50, 5, 40), max_probe=0)
+
+
 def test_a_drafter_without_confidences_drafts_every_request():
     gate = DraftGate(_split(50, 5, 40))
     assert gate.choose(["a", "b", "c", "d", "e"]) == [True, True, False, False, False]

@@ -28,15 +28,19 @@ from dspark.types import DraftProposal, SamplingParams
 
 
 # observed rows a request may hold unprojected before observe projects them anyway. A pending
-# row (the tapped hidden states, 5 x 576 float32 = 11.5 KB for the shipped drafter) takes more
-# memory than its projection (3 layers' keys and values, 4.6 KB), so the cap bounds that extra
-# (1.8 MB a request at 256 rows). It is high enough that a request the draft gate never drafts
-# (every request at high load on a CPU) usually finishes without being projected at all: at 64
-# clients with a 64-row cap, projecting for requests that never drafted cost about 1 % of the
-# step time (docs/LOAD.md, run AA). No per-request cap (rows pending until the request drafts,
-# under one memory budget across requests) was tried and reverted: what it saved in observe the
-# gate's probes spent projecting whole contexts inside short decode steps (docs/LOAD.md, run AE).
-MAX_PENDING_ROWS = 256
+# row (the tapped hidden states, 5 x 576 float32 = 11.5 KB for the shipped drafter, a quarter of
+# the target's float32 keys and values of a token) takes more memory than its projection (3
+# layers' keys and values, 4.6 KB), so the cap bounds that extra (7 MB a request at 1024 rows).
+# It is high enough that a request the draft gate never drafts (most requests at high load on a
+# CPU) usually finishes without being projected at all. History (docs/LOAD.md): at 64 clients a
+# 64-row cap spent about 1 % of the step time projecting for requests that never drafted (run
+# AA); a 256-row cap still projected every prompt of bench serve past 256 tokens as it was
+# prefilled (run AE); no per-request cap (one memory budget across requests) moved that cost into
+# the gate's probes, which then projected a quarter of the batch's whole contexts in one decode
+# step (run AE, reverted). With probes capped at four requests (`DraftGate.max_probe`) the
+# drafter's propose and observe at 64 requests took 2.0 s in 300 steps with a 256-row cap and
+# 0.8 s with this one (3.0 s with a 256-row cap and probes of 16; run AI).
+MAX_PENDING_ROWS = 1024
 
 
 @dataclass

@@ -43,15 +43,17 @@ Exploration: curves only refresh when a request drafts. A request with no
 curve yet (it just started decoding) stands in with the mean of the last
 `history` curves recorded from any request (the asynchronous scheduler's
 proxy). While no curve was ever recorded, a step drafts a quarter of its
-requests (at least one) to learn one. After `probe_every` consecutive steps
-that left some request undrafted, a step also drafts the stalest quarter of
-its requests (no curve first, then the oldest curves), so a request whose
-text turned predictable (code, a quotation) is noticed within
-4 x probe_every steps. Probing a quarter, not everyone, matters on a CPU: a
-request's first draft also projects all its context into the drafter
+requests (at least one, at most `max_probe`) to learn one. After `probe_every`
+consecutive steps that left some request undrafted, a step also drafts the
+stalest quarter of its requests, at most `max_probe` (4) of them (no curve
+first, then the oldest curves), so a request whose text turned predictable
+(code, a quotation) is noticed within max(4, R / max_probe) x probe_every
+steps. Probing a few, not everyone, matters on a CPU: a request's first draft
+also projects all its context into the drafter
 (`DSparkDrafter.project_pending`), so a probe of all 16 requests at 16
-clients cost about half a decode step (docs/LOAD.md, run H). Even a quarter
-is not free, so when a probe's fresh curves show nothing worth drafting the
+clients cost about half a decode step (docs/LOAD.md, run H), and at 64
+requests a probe of a quarter (16) took 1080 ms against a 579 ms plain step,
+one of 4 539 ms against 515 (run AI). Even a few is not free, so when a probe's fresh curves show nothing worth drafting the
 next probe waits twice as long, up to `max_probe_every` steps (default
 4 x probe_every); as soon as drafting pays for anyone the interval is back to
 `probe_every`. Measured (docs/LOAD.md, run N): at 16 clients on this CPU no
@@ -114,6 +116,7 @@ class DraftGate:
 
     def __init__(self, cost: SplitCost, probe_every: int = 32, history: int = 64, decay: float = 0.98,
                  probe_fraction: float = 0.25, free_fraction: float = 0.02, max_probe_every: int | None = None,
+                 max_probe: int = 4,
                  would_verify: Callable[[Sequence[Hashable], Sequence[Sequence[float]], Sequence[bool]], bool]
                  | None = None) -> None:
         if probe_every < 1 or history < 1:
@@ -127,8 +130,10 @@ class DraftGate:
             raise ValueError(f"probe_fraction must be in (0, 1], got {probe_fraction}")
         if not 0.0 <= free_fraction < 1.0:
             raise ValueError(f"free_fraction must be in [0, 1), got {free_fraction}")
+        if max_probe < 1:
+            raise ValueError(f"max_probe must be >= 1, got {max_probe}")
         self.cost, self.probe_every, self.decay, self.probe_fraction = cost, probe_every, decay, probe_fraction
-        self.free_fraction = free_fraction
+        self.free_fraction, self.max_probe = free_fraction, max_probe
         # the scheduler's rule: would it verify any token if these requests (ids, raw curves) drafted?
         self.would_verify = would_verify or (lambda ids, curves, chosen: self.verified_any(curves, chosen))
         self.vetoed = 0  # choices of drafts the scheduler's own walk would verify nothing of
@@ -185,8 +190,9 @@ class DraftGate:
         return self.cost.seconds(requests, requests) - plain <= self.free_fraction * plain
 
     def probe_size(self, requests: int) -> int:
-        """How many requests a probe drafts: probe_fraction of them, at least one."""
-        return max(1, math.ceil(requests * self.probe_fraction))
+        """How many requests a probe drafts: probe_fraction of them, at least one and at most
+        max_probe."""
+        return max(1, min(self.max_probe, math.ceil(requests * self.probe_fraction)))
 
     def _with_probes(self, ids: list[Hashable], chosen: list[bool]) -> list[bool]:
         """`chosen` plus the probe_size stalest requests it leaves out (no curve first, then
