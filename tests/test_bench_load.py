@@ -350,3 +350,27 @@ def test_order_bias_sets_each_point_against_its_other_repeats(tmp_path, capsys):
         main([str(tmp_path / "one.json")])
     with pytest.raises(SystemExit, match="usage"):
         main([])
+
+
+def test_paired_differences_set_each_arm_against_the_baseline_of_the_same_repeat(tmp_path, capsys):
+    from dspark.bench.paired import main, paired_differences
+
+    def pt(arm, level, repeat, throughput):
+        return {"arm": arm, "pattern": "closed", "level": level, "repeat": repeat, "throughput": throughput}
+    # the baseline drifts from 60 to 80 between repeats; arm a stays 1 below it in each
+    points = [pt("nospec", 64, 0, 60.0), pt("a", 64, 0, 59.0), pt("nospec", 64, 1, 80.0), pt("a", 64, 1, 79.0),
+              pt("b", 64, 1, 82.0), pt("a", 32, 0, 50.0)]  # b has one paired repeat; a at 32 has no baseline
+    pairs = paired_differences(points, "nospec")
+    assert set(pairs) == {("closed", 64, "a"), ("closed", 64, "b")}
+    assert pairs[("closed", 64, "a")] == [(-1.0, pytest.approx(59 / 60)), (-1.0, pytest.approx(79 / 80))]
+    assert pairs[("closed", 64, "b")] == [(2.0, pytest.approx(82 / 80))]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"points": points}))
+    main([str(path)])
+    out = capsys.readouterr().out
+    assert "| a | closed | 64 | -1.0, -1.0 | -1.00 | 0.985x | 2 of 2 |" in out
+    assert "| b | closed | 64 | +2.0 | +2.00 | 1.025x | 0 of 1 |" in out
+    with pytest.raises(SystemExit, match="no points of the baseline arm 'mtp1'.*'a', 'b', 'nospec'"):
+        main([str(path), "mtp1"])
+    with pytest.raises(SystemExit, match="usage"):
+        main([])
