@@ -53,8 +53,9 @@ also projects all its context into the drafter
 (`DSparkDrafter.project_pending`), so a probe of all 16 requests at 16
 clients cost about half a decode step (docs/LOAD.md, run H), and at 64
 requests a probe of a quarter (16) took 1080 ms against a 579 ms plain step,
-one of 4 539 ms against 515 (run AI). Even a few is not free, so when a probe's fresh curves show nothing worth drafting the
-next probe waits twice as long, up to `max_probe_every` steps (default
+a probe of four 539 ms against 515 (run AI). Even a few is not free, so when a
+probe's fresh curves show nothing worth drafting the next probe waits twice
+as long, up to `max_probe_every` steps (default
 4 x probe_every); as soon as drafting pays for anyone the interval is back to
 `probe_every`. Measured (docs/LOAD.md, run N): at 16 clients on this CPU no
 curve paid, and probing every 32 steps (3 % of the steps) cost about 3 % of
