@@ -29,3 +29,19 @@ def test_bad_options_stop_before_timing(monkeypatch, argv, message):
     monkeypatch.setattr(rows, "run_decode_bench", lambda *a, **kw: pytest.fail("timed"))
     with pytest.raises(SystemExit, match=message):
         rows.main(argv)
+
+
+def test_blocks_table_gives_both_arms_and_their_ratio():
+    ms = {"compiled": {case: [20.0, 22.0, 21.0] for case in rows.CASES},
+          "tuned": {case: [18.0, 16.0, 17.0] if case == (1, 2) else [21.0] for case in rows.CASES}}
+    lines = rows.blocks_table(ms, "q4 8,4,4,1,1,1,1,1 (measured)", 1, 5, 3).splitlines()
+    assert "median of 3 alternating rounds of 5 repeats, 1 thread(s)" in lines[0] and "q4 8,4,4" in lines[0]
+    assert lines[4].startswith("| compiled | 21.0 | 21.0 |")
+    assert lines[5].startswith("| tuned | 21.0 | 17.0 |")
+    assert lines[6].startswith("| tuned / compiled | 1.00 | 0.81 | 1.00 |")
+
+
+def test_a_bad_blocks_option_stops_before_loading(monkeypatch):
+    monkeypatch.setattr(rows, "compare_blocks", lambda *a: pytest.fail("timed"))
+    with pytest.raises(SystemExit, match="--blocks takes a whole number"):
+        rows.main(["--blocks", "-1"])

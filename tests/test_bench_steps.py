@@ -67,6 +67,23 @@ def test_generate_ab_refuses_bad_arguments():
         main(["1", "none"])
 
 
+def test_generate_ab_leaves_its_warm_up_runs_out_of_the_totals(monkeypatch, capsys):
+    from dspark.bench import generate_ab
+
+    calls = []
+
+    def fake(prompt, arm):  # the warm-up runs are 100x slower: counted, they would show
+        calls.append(arm)
+        seconds = 100.0 if len(calls) <= 2 else (1.0 if arm == "none" else 0.5)
+        return {"num_generated": 10, "seconds": seconds, "tokens_per_second": 10 / seconds, "token_ids": [1, 2],
+                "stats": {"rounds": 1, "draft_tokens": 0, "mean_accepted_length": 1.0}}
+
+    monkeypatch.setattr(generate_ab, "generate", fake)
+    generate_ab.main(["1"])
+    assert calls == ["none", "default"] + ["none", "default"] * len(generate_ab.PROMPTS)
+    assert "none 10.0 tok/s, default 20.0 tok/s over 30 tokens each: 2.000x; same tokens in every pair: True" in capsys.readouterr().out
+
+
 def test_every_kth_quarter_drafts_a_probe_sized_part_and_delegates_the_rest():
     from dspark.bench.steps import EveryKthQuarter, main
 

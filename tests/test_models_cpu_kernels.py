@@ -249,6 +249,131 @@ def test_kernel_builds_once_into_the_dspark_home(tmp_path) -> None:
     assert built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
 
 
+# ---------------------------------------------------------------- block shapes
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["q4", "q8", "f16", "f32"])
+def test_every_block_shape_gives_the_same_bits(fmt: str) -> None:
+    """Which block of panels an output is computed in (tuned per machine) never changes it: every
+    compiled (rows, panels) shape gives the default shapes' results bit for bit, also where a call
+    mixes a group of 8 rows with a remainder and where the panels do not fill the last block."""
+    kernels = cpu_kernels.rowgemm()[0]
+    weight = {"q4": _on_grid((200, 96), "q4_1", 2), "q8": _on_grid((200, 96), "q8_0", 2),
+              "f16": torch.randn(200, 96).half().float(), "f32": torch.randn(200, 96)}[fmt]
+    kernel = _kernel(weight)
+    assert kernel.format == fmt
+    gen = torch.Generator().manual_seed(5)
+    bias = torch.randn(200, generator=gen)
+    try:
+        cpu_kernels.apply_blocks(kernels, cpu_kernels.DEFAULT_BLOCKS)
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 11, 14):
+            x = torch.randn(rows, 96, generator=gen)
+            expected = kernel(x, bias)
+            last = rows % 8 or 8
+            for pb in cpu_kernels.BLOCK_SHAPES[last]:
+                assert kernels.set_block[fmt](last, pb)
+                assert torch.equal(kernel(x, bias), expected), (rows, pb)
+            kernels.set_block[fmt](last, cpu_kernels.DEFAULT_BLOCKS[fmt][last])
+    finally:
+        cpu_kernels.apply_blocks(kernels, cpu_kernels._IN_USE["blocks"])
+
+
+@needs_kernel
+def test_shapes_the_kernel_was_not_built_with_are_refused() -> None:
+    kernels = cpu_kernels.rowgemm()[0]
+    for kind in ("q4", "q8", "f16", "f32"):
+        for rows, pb in ((0, 1), (9, 1), (2, 3), (7, 2), (8, 2), (1, 0), (1, 16)):
+            assert kernels.set_block[kind](rows, pb) == 0
+    with pytest.raises(ValueError, match="no block of 3 panels for 2 rows"):
+        cpu_kernels.apply_blocks(kernels, {"q4": {2: 3}})
+
+
+@needs_kernel
+def test_block_shapes_are_measured_once_per_model_then_read_from_the_cache(tmp_path, monkeypatch) -> None:
+    """Measured on the model's own kernels the first time (every row count gets a compiled
+    shape), cached per machine and model shape; later loads read the cache; another model shape
+    is measured on its own; a damaged cache is measured again, never trusted or fatal."""
+    kernels = cpu_kernels.rowgemm()[0]
+    calls = []
+    real = cpu_kernels.measure_blocks
+
+    def measure(k, products, **kw):
+        calls.append(len(products))
+        return real(k, products, rounds=1)
+
+    monkeypatch.setattr(cpu_kernels, "measure_blocks", measure)
+    model, other = tiny_target(0, block_quantized=True), tiny_target(0, block_quantized=True, vocab_size=128)
+    try:
+        assert enable_cpu_kernels(model, home=tmp_path, tune=False)
+        products = [m.cpu_kernel for m in cpu_kernels.target_linears(model)] + [model.head_kernel]
+        blocks, source = cpu_kernels.tuned_blocks(kernels, products, home=tmp_path, mode="")
+        assert source.startswith("measured") and calls == [len(products)]
+        assert {k: set(v) for k, v in blocks.items()} == {k: set(cpu_kernels.BLOCK_SHAPES) for k in cpu_kernels.DEFAULT_BLOCKS}
+        assert all(pb in cpu_kernels.BLOCK_SHAPES[r] for v in blocks.values() for r, pb in v.items())
+        again, source = cpu_kernels.tuned_blocks(kernels, products, home=tmp_path, mode="")
+        assert again == blocks and source.startswith("cached") and len(calls) == 1
+        assert enable_cpu_kernels(model, home=tmp_path)  # what loading does: the cached choice, in use
+        assert len(calls) == 1 and cpu_kernels._IN_USE["source"].startswith("cached")
+        assert enable_cpu_kernels(other, home=tmp_path) and len(calls) == 2  # another shape: its own measurement
+        assert cpu_kernels.tuned_blocks(kernels, products, home=tmp_path, mode="tune")[1].startswith("measured")
+        assert len(calls) == 3
+        path = cpu_kernels._blocks_path(products, tmp_path)
+        for damage in ("{not json", '{"blocks": {"q4": {"2": 3}}}', '{"blocks": null}'):
+            path.write_text(damage)
+            assert cpu_kernels.tuned_blocks(kernels, products, home=tmp_path, mode="")[1].startswith("measured")
+        assert len(calls) == 6
+        assert cpu_kernels.tuned_blocks(kernels, products, home=tmp_path, mode="default") == (cpu_kernels.DEFAULT_BLOCKS, "default")
+        monkeypatch.setenv(cpu_kernels.BLOCKS_ENV, "fastest")
+        with pytest.raises(ValueError, match="DSPARK_KERNEL_BLOCKS='fastest'.*'default'"):
+            cpu_kernels.tuned_blocks(kernels, products, home=tmp_path)
+    finally:
+        cpu_kernels.use_blocks(cpu_kernels.DEFAULT_BLOCKS, "default")
+
+
+def test_candidates_are_the_defaults_then_each_shape_once_for_the_forms_a_model_holds() -> None:
+    for rows, shapes in cpu_kernels.BLOCK_SHAPES.items():
+        every = cpu_kernels.block_candidates(rows)
+        assert every[0] == {k: cpu_kernels.DEFAULT_BLOCKS[k][rows] for k in cpu_kernels.DEFAULT_BLOCKS}
+        assert len(every) == len(shapes) + 1 - (len(shapes) == 1)  # f32/f16 and q4/q8 defaults differ below 7 rows
+        quantized = cpu_kernels.block_candidates(rows, {"q4", "q8"})
+        assert [c["q4"] for c in quantized] == [cpu_kernels.DEFAULT_BLOCKS["q4"][rows]] + [
+            pb for pb in shapes if pb != cpu_kernels.DEFAULT_BLOCKS["q4"][rows]]
+        assert all(c["f32"] == cpu_kernels.DEFAULT_BLOCKS["f32"][rows] for c in quantized)
+
+
+def test_the_default_shape_stays_unless_another_is_clearly_faster(monkeypatch) -> None:
+    """The tuner's noise guard, on a fake kernel and clock: a shape under 1 % faster than the
+    defaults does not replace them; one 10 % faster does; the kernel is left on the defaults."""
+    import time
+
+    speeds = {2: {1: 10.0, 2: 9.9, 4: 9.0}, 3: {1: 10.0, 2: 9.95, 3: 9.95, 4: 9.92}}  # ms by panels (q4)
+    state = {"t": 0.0, "cost": 0.0, "q4": {}}
+
+    def set_block(rows, pb):
+        state["q4"][rows] = pb
+        return 1
+
+    class Product:  # one model kernel: a call costs what the current q4 shape for its rows costs
+        weight, format = torch.zeros(8, 32), "q4"
+
+        def __call__(self, x):
+            rows = x.shape[0]
+            state["t"] += speeds.get(rows, {}).get(state["q4"].get(rows), 10.0)
+
+    fake = type("FakeKernels", (), {"set_block": {k: set_block if k == "q4" else (lambda r, p: 1)
+                                                  for k in cpu_kernels.DEFAULT_BLOCKS}})
+    monkeypatch.setattr(time, "perf_counter", lambda: state["t"])
+    result = cpu_kernels.measure_blocks(fake, [Product(), Product()], rounds=3)
+    ms, candidates, chosen = result[2]
+    assert candidates[chosen]["q4"] == 4  # 10 % faster than one panel at a time
+    assert ms[chosen] == 18e3 and ms[0] == 20e3  # two products per pass, fake seconds reported as ms
+    ms, candidates, chosen = result[3]
+    assert chosen == 0 and candidates[0]["q4"] == cpu_kernels.DEFAULT_BLOCKS["q4"][3]  # under 1 %: defaults
+    assert result[1][1][result[1][2]]["q4"] == cpu_kernels.DEFAULT_BLOCKS["q4"][1]
+    assert all(state["q4"][rows] == cpu_kernels.DEFAULT_BLOCKS["q4"][rows] for rows in state["q4"])
+
+
 # ---------------------------------------------------------------- drafters
 
 

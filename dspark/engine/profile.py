@@ -29,7 +29,6 @@ included.
 from __future__ import annotations
 
 import math
-import platform
 import re
 import statistics
 import sys
@@ -42,7 +41,7 @@ import torch
 
 from dspark.errors import UserError
 from dspark.models.cpu_kernels import MAX_ROWS, ROW_GROUP, has_cpu_kernels
-from dspark.models.device import synchronize
+from dspark.models.device import hardware_id, synchronize
 from dspark.schedule import CostKey, CostTable, budget_grid, profile_points, settings_fingerprint
 from dspark.schedule.cost import ForwardGrid, SplitCost, measure_in_passes
 from dspark.types import RaggedBatch, SamplingParams
@@ -130,28 +129,12 @@ def split_budget(budget: int, block_size: int, max_requests: int) -> list[int]:
 
 
 # --------------------------------------------------------------- cache key
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown-cpu"
-
-
-def hardware_id(device: torch.device | str = "cpu") -> str:
-    """The machine as far as step time is concerned: device model, threads, torch version."""
-    device = torch.device(device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model()
-    return f"{device.type}:{name}|threads={torch.get_num_threads()}|torch={torch.__version__}"
-
-
 # bumped when a change to the runtime or the drafters changes step times, so that profiles
 # cached by an older dspark are measured again instead of reused
-RUNTIME_REVISION = 8  # 5: attention in parts by query length; budgets on both sides of row-group edges;
+RUNTIME_REVISION = 9  # 5: attention in parts by query length; budgets on both sides of row-group edges;
 #                       6: the forward measured over (requests, tokens); 7: repeats taken in passes;
-#                       8: the block-quantized kernel takes 2-8 rows one panel at a time
+#                       8: the block-quantized kernel takes 2-8 rows one panel at a time;
+#                       9: the kernel's block shapes tuned per machine and model
 
 
 def profile_key(

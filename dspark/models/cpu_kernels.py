@@ -13,6 +13,18 @@ contiguous stream), with the partial sums of up to 8 rows in registers. Each
 output is one FMA chain over the input index whatever the number of rows or
 threads, so a row's result never depends on the other rows of the call.
 
+How many panels it takes at a time for a given number of rows (its block
+shape) is chosen per machine and model: `enable_cpu_kernels` times a pass over
+the model's own packed weights with each compiled shape (a few seconds, the
+first time) and caches the choice in `<dspark home>/kernels/blocks-*.json` for
+this kernel build, CPU, thread count and model shape (`tuned_blocks`). The
+best shape differs between CPUs (one panel at a time for 2-8 rows on the AMD
+EPYC of sessions 1-28; 2-4 panels on the AVX-512 Intel Xeon of session 29,
+where that makes a 2-row product 1.2x a 1-row one instead of 1.9x) and never
+changes a result. The shapes are global to the process: the last model given
+kernels sets them. `DSPARK_KERNEL_BLOCKS=default` keeps the compiled
+defaults, `=tune` measures again.
+
 The packed copy takes the fewest bytes that rebuild every float32 weight
 exactly (`PACKERS`, checked with the kernel's own arithmetic at packing time):
 
@@ -88,6 +100,7 @@ class RowGemm:
     q4: object  # dspark_rowgemm_q4(...), Q4_1-style records (`pack_q4`)
     q8: object  # dspark_rowgemm_q8(...), Q8_0-style records (`pack_q8`)
     threaded: bool = False  # built with OpenMP: calls split the panels over torch.get_num_threads() threads
+    set_block: dict | None = None  # kind -> NAME_set_block(rows, panels): the block shape for that many rows
 
 
 def _compiler() -> str | None:
@@ -154,13 +167,179 @@ def load_rowgemm(cc: str | None = None, home: str | Path | None = None) -> tuple
     for fn in fns.values():
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4
         fn.restype = None
-    return RowGemm(**fns, threaded=bool(library.dspark_rowgemm_openmp())), ""
+    setters = {kind: getattr(library, "dspark_rowgemm" + suffix + "_set_block") for kind, suffix in
+               (("f32", ""), ("f16", "_f16"), ("q4", "_q4"), ("q8", "_q8"))}
+    for fn in setters.values():
+        fn.argtypes = [ctypes.c_long, ctypes.c_long]
+        fn.restype = ctypes.c_int
+    return RowGemm(**fns, threaded=bool(library.dspark_rowgemm_openmp()), set_block=setters), ""
+
+
+# ------------------------------------------------------------ block shapes, tuned per machine
+# The (rows, panels per block) shapes csrc/rowgemm.c is compiled with (its SHAPES) and its
+# defaults. Which panels-per-block is fastest for a row count is a property of the CPU and of how
+# much of the model's weights its caches hold: on the 2-core AMD EPYC (Zen 3, 32 MiB L3) of
+# sessions 1-28 one panel at a time was fastest for 2-8 block-quantized rows inside a forward
+# (docs/BENCHMARKS.md, session 22); on the 2-core Intel Xeon with AVX-512 of session 29 that left
+# 2-4 rows latency-bound (2 rows cost 1.9x one row, 1.2x with blocks of 4 panels). Synthetic
+# weights were tried as the yardstick and chose wrongly: 24 MB of them sit in a 32 MiB L3, the
+# 100 MB of the embedded target stream from memory (session 30). So the choice is measured on
+# the model's own packed weights, once per model shape, kernel build, CPU and thread count, and
+# cached. Results are bit-identical whatever the choice (each output is the same FMA chain).
+BLOCK_SHAPES = {1: (1, 2, 4, 8), 2: (1, 2, 4), 3: (1, 2, 3, 4), 4: (1, 2, 3), 5: (1, 2), 6: (1, 2), 7: (1,), 8: (1,)}
+DEFAULT_BLOCKS = {
+    "f32": {1: 4, 2: 4, 3: 3, 4: 2, 5: 2, 6: 2, 7: 1, 8: 1},
+    "f16": {1: 4, 2: 4, 3: 3, 4: 2, 5: 2, 6: 2, 7: 1, 8: 1},
+    "q4": {1: 8, 2: 1, 3: 1, 4: 1, 5: 1, 6: 1, 7: 1, 8: 1},
+    "q8": {1: 8, 2: 1, 3: 1, 4: 1, 5: 1, 6: 1, 7: 1, 8: 1},
+}
+TUNE_MARGIN = 0.03  # a shape replaces the default only when it is this much faster (noise guard)
+BLOCKS_ENV = "DSPARK_KERNEL_BLOCKS"  # "default": keep the compiled defaults; "tune": measure again
+
+
+def block_candidates(rows: int, kinds=tuple(DEFAULT_BLOCKS)) -> list[dict]:
+    """The choices tried for `rows` rows, as {kind: panels per block}: the defaults first, then
+    each compiled shape for every kind at once (a model mostly holds one packed form), leaving
+    out those that differ from one another only in kinds not among `kinds` (the forms a model
+    holds: the others are never called)."""
+    default = {kind: DEFAULT_BLOCKS[kind][rows] for kind in DEFAULT_BLOCKS}
+    choices = [default]
+    for pb in BLOCK_SHAPES[rows]:
+        choice = {kind: pb if kind in kinds else default[kind] for kind in DEFAULT_BLOCKS}
+        if choice not in choices:
+            choices.append(choice)
+    return choices
+
+
+def _set_rows(kernels: RowGemm, rows: int, choice: dict) -> None:
+    for kind, pb in choice.items():
+        if not kernels.set_block[kind](rows, pb):
+            raise ValueError(f"the kernel has no block of {pb} panels for {rows} rows ({kind})")
+
+
+def measure_blocks(kernels: RowGemm, products: list, rounds: int = 5, progress=None) -> dict:
+    """{rows: (median ms per candidate, the candidates, index of the chosen one)}: a pass over
+    `products` (the model's `CpuKernel`s, as a forward calls them) timed with each of
+    `block_candidates(rows)`, candidates interleaved in `rounds` rounds, at the current thread
+    count. The defaults stay unless another candidate is TUNE_MARGIN faster. Leaves the kernel
+    on the defaults."""
+    import statistics
+    import time
+
+    result = {}
+    with torch.inference_mode():
+        kinds = {product.format for product in products}
+        for rows in BLOCK_SHAPES:
+            candidates = block_candidates(rows, kinds)
+            if len(candidates) == 1:
+                result[rows] = ([0.0], candidates, 0)
+                continue
+            xs = {n: torch.randn(rows, n) for n in {p.weight.shape[1] for p in products}}
+            times = [[] for _ in candidates]
+            for round_ in range(rounds + 1):  # round 0 warms up
+                for i, choice in enumerate(candidates):
+                    _set_rows(kernels, rows, choice)
+                    start = time.perf_counter()
+                    for product in products:
+                        product(xs[product.weight.shape[1]])
+                    if round_:
+                        times[i].append((time.perf_counter() - start) * 1e3)
+            ms = [statistics.median(t) for t in times]
+            best = min(range(len(ms)), key=ms.__getitem__)
+            chosen = best if ms[best] < (1 - TUNE_MARGIN) * ms[0] else 0
+            _set_rows(kernels, rows, candidates[0])
+            result[rows] = (ms, candidates, chosen)
+            if progress is not None:
+                progress()
+    return result
+
+
+def _model_signature(products: list) -> str:
+    return ",".join(f"{p.format}:{p.weight.shape[0]}x{p.weight.shape[1]}" for p in products)
+
+
+def _blocks_path(products: list, home=None) -> Path:
+    """The cached choice for this kernel build, CPU, thread count and model shape."""
+    from dspark.models.device import hardware_id
+    from dspark.models.embedded import dspark_home
+
+    parts = [SOURCE.read_text(), " ".join(CFLAGS), hardware_id("cpu"), _model_signature(products)]
+    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    return dspark_home(home) / "kernels" / f"blocks-{key}.json"
+
+
+def _valid_blocks(blocks) -> bool:
+    return isinstance(blocks, dict) and set(blocks) == set(DEFAULT_BLOCKS) and all(
+        isinstance(blocks[k], dict) and set(blocks[k]) == {str(r) for r in BLOCK_SHAPES}
+        and all(isinstance(v, int) and v in BLOCK_SHAPES[int(r)] for r, v in blocks[k].items())
+        for k in DEFAULT_BLOCKS)
+
+
+def tuned_blocks(kernels: RowGemm, products: list, home=None, mode: str | None = None) -> tuple[dict, str]:
+    """({kind: {rows: pb}}, where it came from: "default", "cached <file>" or "measured <file>")
+    for a model whose kernels are `products`. Reads the cached choice (see `_blocks_path`), else
+    measures it (a few seconds, once) and caches it; `mode` (default: $DSPARK_KERNEL_BLOCKS)
+    "default" keeps the compiled defaults, "tune" measures again. A cache that cannot be read is
+    measured again, never trusted."""
+    import json
+
+    mode = (os.environ.get(BLOCKS_ENV, "") if mode is None else mode).strip().lower()
+    if mode not in ("", "default", "tune"):
+        raise ValueError(f"{BLOCKS_ENV}={mode!r}: use 'default' (the compiled block shapes), 'tune' "
+                         "(measure them again) or leave it unset (measured once per machine and model, then cached)")
+    if mode == "default" or not products:
+        return {k: dict(v) for k, v in DEFAULT_BLOCKS.items()}, "default"
+    path = _blocks_path(products, home)
+    if mode != "tune":
+        try:
+            cached = json.loads(path.read_text())["blocks"]
+            if _valid_blocks(cached):
+                return {k: {int(r): pb for r, pb in v.items()} for k, v in cached.items()}, f"cached {path}"
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    measured = measure_blocks(kernels, products)
+    blocks = {kind: {rows: candidates[chosen][kind] for rows, (_, candidates, chosen) in measured.items()}
+              for kind in DEFAULT_BLOCKS}
+    record = {"threads": torch.get_num_threads() if kernels.threaded else 1, "model": _model_signature(products),
+              "blocks": blocks,
+              "ms": {rows: [{"choice": c, "ms": round(t, 3)} for c, t in zip(candidates, ms)]
+                     for rows, (ms, candidates, _) in measured.items()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path)  # whole or not at all: a killed process never leaves half a cache
+    return blocks, f"measured {path}"
+
+
+def apply_blocks(kernels: RowGemm, blocks: dict) -> None:
+    """Set the kernel's block shape for every kind and row count (for the whole process)."""
+    for kind, per_rows in blocks.items():
+        for rows, pb in per_rows.items():
+            _set_rows(kernels, rows, {kind: pb})
+
+
+_IN_USE: dict = {"blocks": {k: dict(v) for k, v in DEFAULT_BLOCKS.items()}, "source": "default"}
 
 
 @lru_cache(maxsize=1)
 def rowgemm() -> tuple[RowGemm | None, str]:
-    """This process's kernel: (its entry points, "") or (None, why not); built at the first call."""
+    """This process's kernel: (its entry points, "") or (None, why not); built at the first call,
+    with the compiled block shapes (`enable_cpu_kernels` tunes them for the model it is given)."""
     return load_rowgemm()
+
+
+def use_blocks(blocks: dict, source: str) -> None:
+    """Make `blocks` the process's block shapes (they are global to the kernel library)."""
+    apply_blocks(rowgemm()[0], blocks)
+    _IN_USE.update(blocks={k: dict(v) for k, v in blocks.items()}, source=source)
+
+
+def kernel_blocks() -> str:
+    """The block shapes in use, as panels per block for 1..8 rows per kind, and their source."""
+    if rowgemm()[0] is None:
+        return "no kernel"
+    blocks, source = _IN_USE["blocks"], _IN_USE["source"]
+    return "; ".join(f"{k} " + ",".join(str(blocks[k][r]) for r in sorted(blocks[k])) for k in blocks) + f" ({source.split()[0]})"
 
 
 def cpu_kernels_status() -> str:
@@ -168,7 +347,8 @@ def cpu_kernels_status() -> str:
     fn, why = rowgemm()
     if fn is None:
         return why
-    return f"on ({SOURCE.name}, 1-{MAX_ROWS} rows, {'OpenMP threads' if fn.threaded else 'one thread'})"
+    return (f"on ({SOURCE.name}, 1-{MAX_ROWS} rows, {'OpenMP threads' if fn.threaded else 'one thread'}; "
+            f"panels per block for 1-8 rows: {kernel_blocks()})")
 
 
 def cpu_kernels_available() -> bool:
@@ -316,8 +496,10 @@ def target_linears(model) -> list:
     ]
 
 
-def enable_cpu_kernels(model) -> bool:
-    """Give a float32 CPU `TargetModel` the small-row kernel (see the module doc).
+def enable_cpu_kernels(model, home=None, tune: bool = True) -> bool:
+    """Give a float32 CPU `TargetModel` the small-row kernel (see the module doc), with the block
+    shapes tuned for this model on this machine (`tuned_blocks`, cached under `home`; `tune=False`
+    leaves the shapes as they are).
 
     Returns False, changing nothing, when the model is not float32 on the CPU or the kernel is
     unavailable (`cpu_kernels_status()` says why)."""
@@ -327,6 +509,9 @@ def enable_cpu_kernels(model) -> bool:
     for module in target_linears(model):
         module.cpu_kernel = CpuKernel(module.weight, kernels)
     model.head_kernel = CpuKernel(model.lm_head_weight, kernels)
+    if tune:
+        products = [m.cpu_kernel for m in target_linears(model)] + [model.head_kernel]
+        use_blocks(*tuned_blocks(kernels, products, home))
     return True
 
 

@@ -8,6 +8,9 @@ model's device. On a CPU every move is a no-op.
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import torch
 
 from dspark.errors import UserError
@@ -55,3 +58,21 @@ def same_device(a: torch.device, b: torch.device) -> bool:
         return True
     return (torch.cuda.current_device() if a.index is None else a.index) == (
         torch.cuda.current_device() if b.index is None else b.index)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def hardware_id(device: torch.device | str = "cpu") -> str:
+    """The machine as far as step time is concerned: device model, threads, torch version."""
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
+    return f"{device.type}:{name}|threads={torch.get_num_threads()}|torch={torch.__version__}"

@@ -60,7 +60,7 @@ def load_target(
     if device.type != "cpu":
         model = model.to(device)
     elif cpu_kernels:
-        enable_cpu_kernels(model)
+        enable_cpu_kernels(model, home)
     return LoadedTarget(model=model, tokenizer=load_tokenizer(folder), config=config, name=folder.name, path=folder)
 
 

@@ -80,14 +80,47 @@ static inline void store(float *dst, __m256 v, const float *bias, int n)
         STORE_ACCUMULATORS(M, PB)                                                                  \
     }
 
-/* panels p0 .. p1-1 for M rows (1 <= M <= 8): blocks of as many panels as fit in the 16 vector
- * registers with M accumulators per panel, then single panels */
+/* panels p0 .. p1-1 for M rows (1 <= M <= 8): blocks of PB panels (M x PB accumulators), then
+ * single panels */
 #define SPAN(T, TY, M, PB)                                                                  \
-    static void span_##T##_##M(const float *x, const TY *wp, const float *b, float *y,      \
-                               long in, long out, long p0, long p1) {                       \
+    static void span_##T##_##M##_##PB(const float *x, const TY *wp, const float *b, float *y, \
+                                      long in, long out, long p0, long p1) {                \
         long p = p0;                                                                        \
         for (; p + PB <= p1; p += PB) block_##T##_##M##_##PB(x, wp, b, y, in, out, p);      \
         for (; p < p1; p++) block_##T##_##M##_1(x, wp, b, y, in, out, p);                   \
+    }
+
+/* The block shapes (M rows, PB panels) every weight type is compiled with: at most 12
+ * accumulators, so they stay in the 16 vector registers beside the weights and broadcasts. Which
+ * one is fastest for M rows depends on the CPU (docs/BENCHMARKS.md, sessions 29-30): more panels per
+ * block give more independent FMA chains (latency hidden), more streams of weights and more
+ * register pressure. The results never depend on the choice: each output is the same FMA chain
+ * whatever block holds it. */
+#define MAX_PB 8
+#define SHAPES(X, T, TY)                                                                           \
+    X(T, TY, 1, 1) X(T, TY, 1, 2) X(T, TY, 1, 4) X(T, TY, 1, 8)                                    \
+    X(T, TY, 2, 1) X(T, TY, 2, 2) X(T, TY, 2, 4)                                                   \
+    X(T, TY, 3, 1) X(T, TY, 3, 2) X(T, TY, 3, 3) X(T, TY, 3, 4)                                    \
+    X(T, TY, 4, 1) X(T, TY, 4, 2) X(T, TY, 4, 3)                                                   \
+    X(T, TY, 5, 1) X(T, TY, 5, 2) X(T, TY, 6, 1) X(T, TY, 6, 2)                                    \
+    X(T, TY, 7, 1) X(T, TY, 8, 1)
+#define TABLE_ENTRY(T, TY, M, PB) [M][PB] = span_##T##_##M##_##PB,
+
+/* the span table of one weight type, its current choice per row count (initialised to the
+ * defaults D1..D8, panels per block for 1..8 rows) and NAME_set_block(m, pb), which sets the
+ * choice for m rows and returns 1, or 0 (nothing changed) for a shape not compiled */
+#define CHOICE(T, TY, NAME, D1, D2, D3, D4, D5, D6, D7, D8)                                         \
+    typedef void (*span_##T##_fn)(const float *, const TY *, const float *, float *, long, long,   \
+                                  long, long);                                                     \
+    static const span_##T##_fn TABLE_##T[ROW_GROUP + 1][MAX_PB + 1] = {SHAPES(TABLE_ENTRY, T, TY)}; \
+    static span_##T##_fn SPANS_##T[ROW_GROUP + 1] = {0, span_##T##_1_##D1, span_##T##_2_##D2,      \
+        span_##T##_3_##D3, span_##T##_4_##D4, span_##T##_5_##D5, span_##T##_6_##D6,                \
+        span_##T##_7_##D7, span_##T##_8_##D8};                                                     \
+    int NAME##_set_block(long m, long pb)                                                          \
+    {                                                                                              \
+        if (m < 1 || m > ROW_GROUP || pb < 1 || pb > MAX_PB || !TABLE_##T[m][pb]) return 0;        \
+        SPANS_##T[m] = TABLE_##T[m][pb];                                                           \
+        return 1;                                                                                  \
     }
 
 /* the entry point of one weight type: y [rows, out] = x [rows, in] @ W.T (+ b [out] or NULL),
@@ -119,17 +152,12 @@ static inline void store(float *dst, __m256 v, const float *bias, int n)
 /* every block and span of one weight type, the span table, and the entry point:
  * x [rows, in], wp [ceil(out / 8), in, 8] (zero-padded), b [out] or NULL, y [rows, out];
  * all contiguous */
+#define BLOCKS(T, TY, M, PB) BLOCK(T, TY, M, PB)
+#define SPANS(T, TY, M, PB) SPAN(T, TY, M, PB)
 #define KERNEL(T, TY, NAME)                                                                        \
-    BLOCK(T, TY, 1, 1) BLOCK(T, TY, 2, 1) BLOCK(T, TY, 3, 1) BLOCK(T, TY, 4, 1)                    \
-    BLOCK(T, TY, 5, 1) BLOCK(T, TY, 6, 1) BLOCK(T, TY, 7, 1) BLOCK(T, TY, 8, 1)                    \
-    BLOCK(T, TY, 1, 4) BLOCK(T, TY, 2, 4) BLOCK(T, TY, 3, 3) BLOCK(T, TY, 4, 2)                    \
-    BLOCK(T, TY, 5, 2) BLOCK(T, TY, 6, 2)                                                          \
-    SPAN(T, TY, 1, 4) SPAN(T, TY, 2, 4) SPAN(T, TY, 3, 3) SPAN(T, TY, 4, 2)                        \
-    SPAN(T, TY, 5, 2) SPAN(T, TY, 6, 2) SPAN(T, TY, 7, 1) SPAN(T, TY, 8, 1)                        \
-    typedef void (*span_##T##_fn)(const float *, const TY *, const float *, float *, long, long,   \
-                                  long, long);                                                     \
-    static const span_##T##_fn SPANS_##T[ROW_GROUP + 1] = {0, span_##T##_1, span_##T##_2,          \
-        span_##T##_3, span_##T##_4, span_##T##_5, span_##T##_6, span_##T##_7, span_##T##_8};       \
+    SHAPES(BLOCKS, T, TY)                                                                          \
+    SHAPES(SPANS, T, TY)                                                                           \
+    CHOICE(T, TY, NAME, 4, 4, 3, 2, 2, 2, 1, 1)                                                    \
     ENTRY(T, TY, NAME, in * 8 * (long)sizeof(TY))
 
 KERNEL(f32, float, dspark_rowgemm)
@@ -198,24 +226,20 @@ static inline __attribute__((always_inline)) void pair_q8(const uint8_t *rec, in
     }
 
 /* x [rows, in] (in a multiple of 32), wp [ceil(out / 8)][in / 32][record], b [out] or NULL,
- * y [rows, out]. One row takes 8 panels at a time (8 independent FMA chains while the weights
- * stream in); 2-8 rows take one panel at a time. Blocks of 2-4 panels for 2-6 rows were measured
- * slower inside a real forward, where the weights come from memory, than one panel at a time:
- * the embedded target's forward of 4 rows took 54-56 ms with them and 33-38 ms without, of 4
- * one-row requests 62-64 against 37-39 ms (1 thread; 2 threads: 32-35 against 22-24 ms for 4
- * rows), so a step verifying a few tokens cost up to twice a decode step instead of 1.1-1.3x
- * (docs/BENCHMARKS.md, session 22). The results are the same either way: a block size only
- * groups outputs, each output's FMA chain is unchanged. */
+ * y [rows, out]. The default shapes are those measured best on a 2-core AMD EPYC (Zen 3): one row
+ * takes 8 panels at a time (8 independent FMA chains while the weights stream in), 2-8 rows one
+ * panel at a time; there, blocks of 2-4 panels for 2-6 rows made the embedded target's forward of
+ * 4 rows take 54-56 ms instead of 33-38 (docs/BENCHMARKS.md, session 22). On a 2-core Intel Xeon
+ * with AVX-512 the same one-panel blocks left 2 rows at 1.9x the time of one, and blocks of 2-4
+ * panels brought it to 1.2-1.3x (session 29); on the AMD EPYC of session 30, timed on the
+ * model's own weights, 4 panels for 2-3 rows made those forwards 7-15 % faster and 2-4 panels for
+ * 4-6 rows slower. Hence the choice per machine and model (cpu_kernels.py, `tuned_blocks`). The results are the same either way: a block size only groups outputs, each
+ * output's FMA chain is unchanged. */
+#define QBLOCKS(T, TY, M, PB) QBLOCK(T, M, PB)
 #define QKERNEL(T, NAME)                                                                           \
-    QBLOCK(T, 1, 1) QBLOCK(T, 2, 1) QBLOCK(T, 3, 1) QBLOCK(T, 4, 1)                                \
-    QBLOCK(T, 5, 1) QBLOCK(T, 6, 1) QBLOCK(T, 7, 1) QBLOCK(T, 8, 1)                                \
-    QBLOCK(T, 1, 8)                                                                                \
-    SPAN(T, uint8_t, 1, 8) SPAN(T, uint8_t, 2, 1) SPAN(T, uint8_t, 3, 1) SPAN(T, uint8_t, 4, 1)    \
-    SPAN(T, uint8_t, 5, 1) SPAN(T, uint8_t, 6, 1) SPAN(T, uint8_t, 7, 1) SPAN(T, uint8_t, 8, 1)    \
-    typedef void (*span_##T##_fn)(const float *, const uint8_t *, const float *, float *, long,    \
-                                  long, long, long);                                               \
-    static const span_##T##_fn SPANS_##T[ROW_GROUP + 1] = {0, span_##T##_1, span_##T##_2,          \
-        span_##T##_3, span_##T##_4, span_##T##_5, span_##T##_6, span_##T##_7, span_##T##_8};       \
+    SHAPES(QBLOCKS, T, uint8_t)                                                                    \
+    SHAPES(SPANS, T, uint8_t)                                                                      \
+    CHOICE(T, uint8_t, NAME, 8, 1, 1, 1, 1, 1, 1, 1)                                               \
     ENTRY(T, uint8_t, NAME, (in / QBLOCK_INPUTS) * RECORD_##T)
 
 QKERNEL(q4, dspark_rowgemm_q4)
