@@ -161,6 +161,29 @@ def test_run_profile_prints_the_table_and_plots(tmp_path, capsys):
     assert "reused" in capsys.readouterr().out and again.points() == table.points()
 
 
+def test_other_kernel_block_shapes_measure_the_profile_again(tmp_path):
+    """The kernel's block shapes set step times, so a profile measured under one choice is never
+    reused under another (tuned on another machine, or DSPARK_KERNEL_BLOCKS=default)."""
+    from dspark.models import cpu_kernels
+
+    if not cpu_kernels.cpu_kernels_available():
+        pytest.skip(cpu_kernels.cpu_kernels_status())
+    target = tiny_target(seed=1, vocab_size=96)
+    assert cpu_kernels.enable_cpu_kernels(target, home=tmp_path, tune=False)
+    drafter = NgramDrafter(block_size=4)
+    other = {k: dict(v) for k, v in cpu_kernels.DEFAULT_BLOCKS.items()}
+    other["f32"][2] = 1
+    try:
+        cpu_kernels.use_blocks(cpu_kernels.DEFAULT_BLOCKS, "default")
+        first = profile_engine(target, drafter, model_id="tiny", settings=SMALL, home=tmp_path, progress=False)
+        assert not first.reused
+        assert profile_engine(target, drafter, model_id="tiny", settings=SMALL, home=tmp_path, progress=False).reused
+        cpu_kernels.use_blocks(other, "measured")
+        assert not profile_engine(target, drafter, model_id="tiny", settings=SMALL, home=tmp_path, progress=False).reused
+    finally:
+        cpu_kernels.use_blocks(cpu_kernels.DEFAULT_BLOCKS, "default")
+
+
 def test_profile_measures_forward_and_drafting_apart(tmp_path):
     """outcome.cost holds F(R, B) over (request count, budget) and D(R) for
     R = 1..max_requests; a drafter that sleeps 30 ms per propose shows up in D, not
