@@ -276,7 +276,20 @@ def test_every_block_shape_gives_the_same_bits(fmt: str) -> None:
                 assert torch.equal(kernel(x, bias), expected), (rows, pb)
             kernels.set_block[fmt](last, cpu_kernels.DEFAULT_BLOCKS[fmt][last])
     finally:
-        cpu_kernels.apply_blocks(kernels, cpu_kernels._IN_USE["blocks"])
+        cpu_kernels.apply_blocks(kernels, cpu_kernels.blocks_in_use()[0])
+
+
+@needs_kernel
+def test_a_fresh_kernel_starts_on_the_defaults_python_names_and_reports_what_is_set(tmp_path) -> None:
+    """DEFAULT_BLOCKS is the tuner's baseline: it must be what csrc/rowgemm.c compiles in."""
+    fresh, why = load_rowgemm(home=tmp_path)  # its own copy of the library: untouched state
+    assert fresh is not None, why
+    for kind, per_rows in cpu_kernels.DEFAULT_BLOCKS.items():
+        assert {rows: fresh.get_block[kind](rows) for rows in per_rows} == per_rows, kind
+        assert fresh.get_block[kind](0) == 0 and fresh.get_block[kind](9) == 0
+        for rows, shapes in cpu_kernels.BLOCK_SHAPES.items():
+            for pb in shapes:
+                assert fresh.set_block[kind](rows, pb) and fresh.get_block[kind](rows) == pb
 
 
 @needs_kernel
@@ -314,7 +327,7 @@ def test_block_shapes_are_measured_once_per_model_then_read_from_the_cache(tmp_p
         again, source = cpu_kernels.tuned_blocks(kernels, products, home=tmp_path, mode="")
         assert again == blocks and source.startswith("cached") and len(calls) == 1
         assert enable_cpu_kernels(model, home=tmp_path)  # what loading does: the cached choice, in use
-        assert len(calls) == 1 and cpu_kernels._IN_USE["source"].startswith("cached")
+        assert len(calls) == 1 and cpu_kernels.blocks_in_use()[1].startswith("cached")
         assert enable_cpu_kernels(other, home=tmp_path) and len(calls) == 2  # another shape: its own measurement
         assert cpu_kernels.tuned_blocks(kernels, products, home=tmp_path, mode="tune")[1].startswith("measured")
         assert len(calls) == 3

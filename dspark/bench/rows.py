@@ -65,7 +65,7 @@ def compare_blocks(threads: int, repeats: int, rounds: int) -> str:
     kernels = cpu_kernels.rowgemm()[0]
     if kernels is None:
         raise SystemExit(f"no CPU kernel here: {cpu_kernels.cpu_kernels_status()}")
-    arms = {"compiled": cpu_kernels.DEFAULT_BLOCKS, "tuned": cpu_kernels._IN_USE["blocks"]}
+    arms = {"compiled": cpu_kernels.DEFAULT_BLOCKS, "tuned": cpu_kernels.blocks_in_use()[0]}
     described = cpu_kernels.kernel_blocks()
     ms = {arm: {case: [] for case in CASES} for arm in arms}
     try:

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from dspark.errors import UserError
-from dspark.models.cpu_kernels import MAX_ROWS, ROW_GROUP, has_cpu_kernels, kernel_blocks
+from dspark.models.cpu_kernels import MAX_ROWS, ROW_GROUP, blocks_in_use, has_cpu_kernels
 from dspark.models.device import hardware_id, synchronize
 from dspark.schedule import CostKey, CostTable, budget_grid, profile_points, settings_fingerprint
 from dspark.schedule.cost import ForwardGrid, SplitCost, measure_in_passes
@@ -355,7 +355,7 @@ def profile_engine(
              "context": "passage" if tokenizer is not None else "pseudo-text", "runtime": RUNTIME_REVISION,
              "cpu_kernels": has_cpu_kernels(target)}
     if extra["cpu_kernels"]:  # the kernel's block shapes (tuned per machine, or DSPARK_KERNEL_BLOCKS) set step times
-        extra["kernel_blocks"] = kernel_blocks().rsplit(" (", 1)[0]
+        extra["kernel_blocks"] = blocks_in_use()[0]
     config = getattr(drafter, "config", None)
     for field in ("draft_vocab_size", "transition_top_k"):  # drafter settings that change D(R)
         if hasattr(config, field):

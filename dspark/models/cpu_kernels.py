@@ -101,6 +101,7 @@ class RowGemm:
     q8: object  # dspark_rowgemm_q8(...), Q8_0-style records (`pack_q8`)
     threaded: bool = False  # built with OpenMP: calls split the panels over torch.get_num_threads() threads
     set_block: dict | None = None  # kind -> NAME_set_block(rows, panels): the block shape for that many rows
+    get_block: dict | None = None  # kind -> NAME_get_block(rows): the panels per block in use for that many rows
 
 
 def _compiler() -> str | None:
@@ -167,12 +168,16 @@ def load_rowgemm(cc: str | None = None, home: str | Path | None = None) -> tuple
     for fn in fns.values():
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4
         fn.restype = None
-    setters = {kind: getattr(library, "dspark_rowgemm" + suffix + "_set_block") for kind, suffix in
-               (("f32", ""), ("f16", "_f16"), ("q4", "_q4"), ("q8", "_q8"))}
+    suffixes = {"f32": "", "f16": "_f16", "q4": "_q4", "q8": "_q8"}
+    setters = {kind: getattr(library, f"dspark_rowgemm{suffix}_set_block") for kind, suffix in suffixes.items()}
+    getters = {kind: getattr(library, f"dspark_rowgemm{suffix}_get_block") for kind, suffix in suffixes.items()}
     for fn in setters.values():
         fn.argtypes = [ctypes.c_long, ctypes.c_long]
         fn.restype = ctypes.c_int
-    return RowGemm(**fns, threaded=bool(library.dspark_rowgemm_openmp()), set_block=setters), ""
+    for fn in getters.values():
+        fn.argtypes = [ctypes.c_long]
+        fn.restype = ctypes.c_int
+    return RowGemm(**fns, threaded=bool(library.dspark_rowgemm_openmp()), set_block=setters, get_block=getters), ""
 
 
 # ------------------------------------------------------------ block shapes, tuned per machine
@@ -217,7 +222,7 @@ def _set_rows(kernels: RowGemm, rows: int, choice: dict) -> None:
             raise ValueError(f"the kernel has no block of {pb} panels for {rows} rows ({kind})")
 
 
-def measure_blocks(kernels: RowGemm, products: list, rounds: int = 5, progress=None) -> dict:
+def measure_blocks(kernels: RowGemm, products: list, rounds: int = 5) -> dict:
     """{rows: (median ms per candidate, the candidates, index of the chosen one)}: a pass over
     `products` (the model's `CpuKernel`s, as a forward calls them) timed with each of
     `block_candidates(rows)`, candidates interleaved in `rounds` rounds, at the current thread
@@ -249,8 +254,6 @@ def measure_blocks(kernels: RowGemm, products: list, rounds: int = 5, progress=N
             chosen = best if ms[best] < (1 - TUNE_MARGIN) * ms[0] else 0
             _set_rows(kernels, rows, candidates[0])
             result[rows] = (ms, candidates, chosen)
-            if progress is not None:
-                progress()
     return result
 
 
@@ -334,11 +337,16 @@ def use_blocks(blocks: dict, source: str) -> None:
     _IN_USE.update(blocks={k: dict(v) for k, v in blocks.items()}, source=source)
 
 
+def blocks_in_use() -> tuple[dict, str]:
+    """({kind: {rows: panels per block}}, where they came from) for this process."""
+    return {k: dict(v) for k, v in _IN_USE["blocks"].items()}, _IN_USE["source"]
+
+
 def kernel_blocks() -> str:
     """The block shapes in use, as panels per block for 1..8 rows per kind, and their source."""
     if rowgemm()[0] is None:
         return "no kernel"
-    blocks, source = _IN_USE["blocks"], _IN_USE["source"]
+    blocks, source = blocks_in_use()
     return "; ".join(f"{k} " + ",".join(str(blocks[k][r]) for r in sorted(blocks[k])) for k in blocks) + f" ({source.split()[0]})"
 
 

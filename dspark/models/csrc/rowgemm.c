@@ -107,8 +107,9 @@ static inline void store(float *dst, __m256 v, const float *bias, int n)
 #define TABLE_ENTRY(T, TY, M, PB) [M][PB] = span_##T##_##M##_##PB,
 
 /* the span table of one weight type, its current choice per row count (initialised to the
- * defaults D1..D8, panels per block for 1..8 rows) and NAME_set_block(m, pb), which sets the
- * choice for m rows and returns 1, or 0 (nothing changed) for a shape not compiled */
+ * defaults D1..D8, panels per block for 1..8 rows), NAME_set_block(m, pb), which sets the
+ * choice for m rows and returns 1, or 0 (nothing changed) for a shape not compiled, and
+ * NAME_get_block(m), the panels per block in use for m rows (0 for m out of range) */
 #define CHOICE(T, TY, NAME, D1, D2, D3, D4, D5, D6, D7, D8)                                         \
     typedef void (*span_##T##_fn)(const float *, const TY *, const float *, float *, long, long,   \
                                   long, long);                                                     \
@@ -121,6 +122,13 @@ static inline void store(float *dst, __m256 v, const float *bias, int n)
         if (m < 1 || m > ROW_GROUP || pb < 1 || pb > MAX_PB || !TABLE_##T[m][pb]) return 0;        \
         SPANS_##T[m] = TABLE_##T[m][pb];                                                           \
         return 1;                                                                                  \
+    }                                                                                              \
+    int NAME##_get_block(long m)                                                                   \
+    {                                                                                              \
+        if (m < 1 || m > ROW_GROUP) return 0;                                                      \
+        for (int pb = 1; pb <= MAX_PB; pb++)                                                       \
+            if (TABLE_##T[m][pb] && TABLE_##T[m][pb] == SPANS_##T[m]) return pb;                   \
+        return 0;                                                                                  \
     }
 
 /* the entry point of one weight type: y [rows, out] = x [rows, in] @ W.T (+ b [out] or NULL),
@@ -233,8 +241,9 @@ static inline __attribute__((always_inline)) void pair_q8(const uint8_t *rec, in
  * with AVX-512 the same one-panel blocks left 2 rows at 1.9x the time of one, and blocks of 2-4
  * panels brought it to 1.2-1.3x (session 29); on the AMD EPYC of session 30, timed on the
  * model's own weights, 4 panels for 2-3 rows made those forwards 7-15 % faster and 2-4 panels for
- * 4-6 rows slower. Hence the choice per machine and model (cpu_kernels.py, `tuned_blocks`). The results are the same either way: a block size only groups outputs, each
- * output's FMA chain is unchanged. */
+ * 4-6 rows slower. Hence the choice per machine and model (cpu_kernels.py, `tuned_blocks`).
+ * The results are the same either way: a block size only groups outputs, each output's FMA
+ * chain is unchanged. */
 #define QBLOCKS(T, TY, M, PB) QBLOCK(T, M, PB)
 #define QKERNEL(T, NAME)                                                                           \
     SHAPES(QBLOCKS, T, uint8_t)                                                                    \
