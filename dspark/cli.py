@@ -89,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("config", help="recipe file, e.g. configs/dspark.toml")
     t.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
     t.add_argument("--stop-at-step", type=int, default=None, help="stop early at this step (checkpointed)")
+    _add_device_arg(t)
     t.add_argument("--evaluate", metavar="DRAFTER", default=None,
                    help="do not train: print the held-out evaluation of a drafter folder on this recipe's data (JSON)")
     t.add_argument("--eval-features", choices=["online", "cache"], default="online",
@@ -286,7 +287,7 @@ def cmd_train(args) -> int:
     if args.evaluate:
         print(json.dumps(evaluate_drafter(args.config, args.evaluate, features=args.eval_features)))
         return 0
-    folder = run_train(args.config, resume=not args.no_resume, stop_at_step=args.stop_at_step)
+    folder = run_train(args.config, resume=not args.no_resume, stop_at_step=args.stop_at_step, device=args.device)
     print(f"dspark train: drafter written to {folder}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Under torchrun, leave without the interpreter's teardown: after the process group is

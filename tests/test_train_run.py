@@ -197,7 +197,7 @@ def test_two_process_data_parallel_matches_single(tmp_path):
     2 x 2, against one process: float32 weights agree to 1e-5 (only the
     order of gradient sums differs) and the logged losses to 4 digits."""
     recipe = _recipe(tmp_path, steps=4)
-    run_train(recipe)
+    run_train(recipe, device="cpu")  # CPU ranks on a GPU machine too
     cfg = json.loads(recipe.read_text())
     cfg["run"]["out_dir"] = str(tmp_path / "ddp")
     ddp = tmp_path / "ddp.json"
@@ -205,7 +205,7 @@ def test_two_process_data_parallel_matches_single(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # the command the training README gives: torchrun -m dspark.cli train RECIPE
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-           "-m", "dspark.cli", "train", str(ddp)]
+           "-m", "dspark.cli", "train", str(ddp), "--device", "cpu"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 rank(s)" in proc.stdout
@@ -215,6 +215,26 @@ def test_two_process_data_parallel_matches_single(tmp_path):
     logs = [[json.loads(x)["loss"] for x in (d / "log.jsonl").read_text().splitlines()]
             for d in (tmp_path / "run-dspark", tmp_path / "ddp")]
     assert [round(x, 4) for x in logs[0]] == [round(x, 4) for x in logs[1]]
+
+
+def test_ranks_find_their_gpu_or_a_clear_error(monkeypatch):
+    """Under torchrun, rank r trains on GPU r; more ranks than GPUs, or one GPU named for
+    several ranks, is refused with the fix (checked without a GPU: torch's view is faked)."""
+    from dspark.errors import UserError
+    from dspark.train.run import init_distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert init_distributed("auto").device == torch.device("cuda", 1)  # one process: no group
+    assert init_distributed("cuda:0").device == torch.device("cuda", 0)
+    assert init_distributed("cpu").device == torch.device("cpu")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(UserError, match="at most one rank per GPU"):
+        init_distributed("cuda")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UserError, match="names one GPU"):
+        init_distributed("cuda:1")
 
 
 def test_snapshots_feed_the_budget_report(tmp_path):

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dspark.errors import UserError
+from dspark.models.device import resolve_device
 from dspark.train.anchors import make_batch, sample_seed
 from dspark.train.calibrate import DEFAULT_BINS, plot_reliability, position_metrics, sts_fit
 from dspark.train.config import TrainConfig, load_config
@@ -30,18 +31,31 @@ from dspark.train.trainer import DistInfo, DrafterIO, Trainer, freeze_shared
 MAX_EVAL_SEQUENCES = 256  # held-out sequences evaluated at the end of training
 
 
-def init_distributed() -> DistInfo:
-    """DistInfo from torchrun's environment (a single process without it)."""
+def init_distributed(device: str | torch.device = "auto") -> DistInfo:
+    """DistInfo from torchrun's environment (a single process without it).
+
+    device: `auto` (the GPU of this rank's LOCAL_RANK when torch sees one, else the CPU), `cpu`,
+    `cuda` (likewise per rank) or `cuda:N` (one process only). Ranks on GPUs talk through NCCL,
+    ranks on the CPU through gloo."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cuda = torch.cuda.is_available()
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    chosen = resolve_device(device)
+    if chosen.type == "cuda":
+        named = None if device in (None, "auto") else torch.device(device).index  # cuda:N, not cuda
+        if named is not None and world > 1:
+            raise UserError(f"--device {device} names one GPU, but torchrun started {world} ranks; "
+                            "pass --device cuda (rank r uses GPU r) or --device cpu")
+        index = named if named is not None else local
+        if index >= torch.cuda.device_count():
+            raise UserError(f"rank {local} needs GPU {index}, but torch sees {torch.cuda.device_count()}; "
+                            "start at most one rank per GPU (torchrun --nproc_per_node), or pass --device cpu")
+        chosen = torch.device("cuda", index)
     if world > 1 and not dist.is_initialized():
-        if cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo")
+        if chosen.type == "cuda":
+            torch.cuda.set_device(chosen)
+        dist.init_process_group("nccl" if chosen.type == "cuda" else "gloo")
     rank = dist.get_rank() if world > 1 else 0
-    return DistInfo(rank=rank, world=world, device=device)
+    return DistInfo(rank=rank, world=world, device=chosen)
 
 
 def drafter_io(num_anchors: int, target_model) -> DrafterIO:
@@ -150,13 +164,15 @@ def build_recipe_drafter(cfg: TrainConfig, target, model, ranking: torch.Tensor,
     return drafter
 
 
-def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int | None = None) -> Path:
-    """Train the drafter a recipe describes; return the folder of the final drafter."""
+def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int | None = None,
+              device: str | torch.device = "auto") -> Path:
+    """Train the drafter a recipe describes; return the folder of the final drafter.
+    device: where the target and drafter run (`init_distributed`)."""
     from dspark.draft.checkpoint import save_drafter
     from dspark.models.loading import load_target
 
     cfg = load_config(config_path)
-    info = init_distributed()
+    info = init_distributed(device)
     target = load_target(cfg.target.path or None, cpu_kernels=info.device.type == "cpu")
     model = target.model.to(info.device).eval()
     store = SequenceStore(cfg.data.dir)
