@@ -55,6 +55,8 @@ def test_six_paper_arms_in_process_closed_and_poisson(tmp_path):
                             out_dir=tmp_path / "out", name="tiny", command="pytest", progress=False)
     data = json.loads((tmp_path / "out" / "tiny.json").read_text())
     assert data["mode"] == "in-process" and data["command"] == "pytest" and not data["skipped"]
+    assert data["environment"]["before"]["device"].startswith("cpu:")  # what the steps ran on
+    assert " on cpu:" in report.markdown().splitlines()[0]
     assert len(data["points"]) == 6 * 3 and FIELDS <= set(data["points"][0])
     # interleaved, in the seeded order of each (repeat, level)
     for index in range(3):
@@ -106,6 +108,7 @@ def test_http_mode_reads_a_running_server(tmp_path):
     # 2 clients' warm-up pass, then per level 1 warm-up request and 3 timed ones
     assert finished == 2 + 2 * (1 + 3)
     assert report.mode == "http" and report.arms[0]["model"] == "tiny-test"
+    assert "device" not in report.environment["before"]  # the servers know theirs, not the load generator
     for point in report.points:
         assert point.completed == 3 and point.failed == 0
         assert point.output_tokens == sum(s["output_tokens"] for s in point.samples)

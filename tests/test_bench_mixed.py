@@ -3,8 +3,6 @@ times every layout both ways, and the two ways compute the same logits."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -31,12 +29,13 @@ def test_one_padded_call_computes_what_the_parts_compute(tmp_path):
     tokens = torch.randint(0, 96, (sum(qlens),), generator=torch.Generator().manual_seed(0))
     outs = []
     for padded in (False, True):
-        with torch.inference_mode(), (mixed.one_padded_call() if padded else contextlib.nullcontext()):
+        with torch.inference_mode(), mixed.attention_layout(one_call=padded):
             outs.append(loaded.model(RaggedBatch(tokens, slots, qlens), cache).logits)
         for slot in slots:
             cache.truncate(slot, 16)
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
-    assert llama.query_parts([1, 8]) == [[0], [1]]  # the grouping is back after the context
+    assert llama.attention_groups([1, 8], [0, 0], [0, 1], 2, "cpu") == [[0], [1]]  # back after the context
+    assert llama.attention_groups([1, 8], [0, 0], [0, 1], 2, "cuda") == [[0, 1]]
 
 
 @pytest.mark.parametrize("argv,message", [(["--repeats", "0"], "--repeats takes a whole number >= 1"),

@@ -109,6 +109,29 @@ def test_attention_parts_group_requests_by_query_length() -> None:
     assert query_parts([1, 3, 1, 4, 1, 8, 9, 2, 100]) == [[0, 2, 4], [1, 3], [5], [6], [7], [8]]
 
 
+def test_a_gpu_attends_in_one_call_while_the_padding_is_small() -> None:
+    from dspark.models.llama import ONE_CALL_ELEMENTS, attention_groups
+
+    qlens, starts, slots = [1, 8, 1, 3], [100, 90, 120, 50], [0, 1, 2, 3]
+    assert attention_groups(qlens, starts, slots, 3, "cpu") == [[0, 2], [1], [3]]
+    assert attention_groups(qlens, starts, slots, 3, "cuda") == [[0, 1, 2, 3]]
+    # a 512-token prefill chunk beside 63 decoding requests at 2k context would pad them all to 512
+    qlens, starts, slots = [1] * 63 + [512], [2000] * 63 + [1536], list(range(64))
+    assert 64 * 3 * 512 * 2048 > ONE_CALL_ELEMENTS
+    assert attention_groups(qlens, starts, slots, 3, "cuda") == [list(range(63)), [63]]
+
+
+def test_the_gpu_layout_equals_one_request_at_a_time(monkeypatch) -> None:
+    """What a GPU runs (one padded call for decodes, verifications and a short prefill chunk),
+    checked on the CPU by giving the CPU the GPU's choice."""
+    from dspark.models import llama
+
+    chosen = llama.attention_groups
+    monkeypatch.setattr(llama, "attention_groups", lambda q, st, sl, h, _device: chosen(q, st, sl, h, "cuda"))
+    _ragged_vs_sequential([5, 3, 4, 7, 8, 6], qlens=(1, 3, 1, 4, 1, 12), prefix_lens=(12, 4, 25, 9, 30, 2))
+    _ragged_vs_sequential([38, 0, 21, 9, 17, 30], qlens=(1, 3, 1, 4, 1, 12), prefix_lens=(12, 4, 25, 9, 30, 2))
+
+
 def test_decodes_beside_verifications_equal_one_request_at_a_time() -> None:
     """Decoding requests, two verifying requests (one part, not adjacent in the batch) and a
     prefill chunk: three attention parts whose rows interleave in the batch."""

@@ -42,6 +42,7 @@ from dspark.bench.clients import BenchPrompt, ChatEncoder, EngineClient, HttpCli
 from dspark.bench.load_report import LoadReport, environment
 from dspark.bench.loadgen import LevelPoint, closed_loop, poisson_arrivals, settled_counters, summarize
 from dspark.errors import UserError
+from dspark.models.device import hardware_id
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 
@@ -380,6 +381,8 @@ def run_load_bench(
         if runnable:
             asyncio.run(_sweep(runnable, run))
     described = [{**a.as_dict(), **backend.describe(a)} for a in arms]
+    if isinstance(backend, InProcessBackend):  # what the steps ran on (an HTTP run's servers say it themselves)
+        env_before["device"] = hardware_id(next(backend.loaded.model.parameters()).device)
     report = LoadReport.build(
         mode="http" if isinstance(backend, HttpBackend) else "in-process", settings=settings.as_dict(),
         arms=described, points=run.points, skipped=run.skipped, command=command,

@@ -1,9 +1,10 @@
 """Mixed batches: what one target forward costs when a few requests of a decoding batch
-verify drafts or prefill a prompt chunk, with attention in parts by query length (the
-runtime: `dspark.models.llama.query_parts`) against one padded attention call over the
-whole batch (how the runtime attended before: every request padded to the longest query).
+verify drafts or prefill a prompt chunk, with attention in parts by query length
+(`dspark.models.llama.query_parts`: the runtime's choice on the CPU) against one padded
+attention call over the whole batch (every request padded to the longest query: the
+runtime's choice on a GPU while the padding stays small, `attention_groups`).
 
-    .venv/bin/python -m dspark.bench.mixed [--repeats N] [--threads T] [--context L]
+    .venv/bin/python -m dspark.bench.mixed [--repeats N] [--threads T] [--context L] [--device D] [--target DIR]
 
 Each layout's requests have `context` cached tokens (copies of one prefilled request);
 a step runs the layout's new tokens and rolls the cache back. The two attention layouts
@@ -19,6 +20,7 @@ import sys
 import torch
 
 from dspark.bench.decode import _prompts, paired_ms, prefilled_cache
+from dspark.models.device import hardware_id, resolve_device, synchronize
 from dspark.types import RaggedBatch
 
 # (label, query lengths): 16 requests; 1 = a decode step, 2..8 = verifying 1..7 draft tokens
@@ -33,16 +35,20 @@ LAYOUTS = (
 
 
 @contextlib.contextmanager
-def one_padded_call():
-    """Attention over the whole batch in one call, as before the runtime grouped it."""
+def attention_layout(one_call: bool):
+    """Attention over the whole batch in one padded call (one_call), or in parts by query
+    length (`query_parts`), whatever the runtime would choose on this device."""
     from dspark.models import llama
 
-    grouped = llama.query_parts
-    llama.query_parts = lambda qlens: [list(range(len(qlens)))]
+    chosen = llama.attention_groups
+    if one_call:
+        llama.attention_groups = lambda qlens, *_: [list(range(len(qlens)))]
+    else:
+        llama.attention_groups = lambda qlens, *_: llama.query_parts(qlens)
     try:
         yield
     finally:
-        llama.query_parts = grouped
+        llama.attention_groups = chosen
 
 
 def mixed_steps(loaded, context: int = 256) -> dict[str, object]:
@@ -62,6 +68,7 @@ def mixed_steps(loaded, context: int = 256) -> dict[str, object]:
         def step(batch: RaggedBatch = batch, rows: torch.Tensor = torch.tensor(rows)) -> None:
             with torch.inference_mode():
                 model(batch, cache, logits_rows=rows)
+            synchronize(model.device)  # a GPU step is timed to its end
             for slot in slots:
                 cache.truncate(slot, context)
 
@@ -70,55 +77,64 @@ def mixed_steps(loaded, context: int = 256) -> dict[str, object]:
 
 
 def run_mixed_bench(repeats: int = 20, warmup: int = 2, context: int = 256, threads: int | None = None,
-                    target: str | None = None) -> list[dict]:
+                    target: str | None = None, device: str = "cpu") -> list[dict]:
     from dspark.models import load_target
 
     if threads is not None:
         torch.set_num_threads(threads)
-    loaded = load_target(target)
+    loaded = load_target(target, device=device)
     steps = mixed_steps(loaded, context)
     rows = []
     for label, qlens in LAYOUTS:
-        def padded(step=steps[label]) -> None:
-            with one_padded_call():
+        def in_parts(step=steps[label]) -> None:
+            with attention_layout(one_call=False):
                 step()
 
-        parts_ms, padded_ms = paired_ms([steps[label], padded], repeats, warmup)
+        def padded(step=steps[label]) -> None:
+            with attention_layout(one_call=True):
+                step()
+
+        parts_ms, padded_ms = paired_ms([in_parts, padded], repeats, warmup)
         rows.append({"layout": label, "tokens": sum(qlens), "parts_ms": parts_ms, "padded_ms": padded_ms})
     return rows
 
 
-def format_rows(rows: list[dict], repeats: int, context: int) -> str:
+def format_rows(rows: list[dict], repeats: int, context: int, device: str = "cpu") -> str:
+    where = f"{torch.get_num_threads()} torch thread(s)" if device == "cpu" else device
     lines = [f"ms per target forward, 16 requests with {context} cached tokens each, median of {repeats}, "
-             f"{torch.get_num_threads()} torch thread(s), the two layouts in alternation",
-             "| batch | tokens | attention in parts (runtime) | one padded call | parts / padded |", "|---|---|---|---|---|"]
+             f"{where}, the two layouts in alternation",
+             "| batch | tokens | attention in parts (CPU runtime) | one padded call (GPU runtime) | parts / padded |",
+             "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['layout']} | {r['tokens']} | {r['parts_ms']:.1f} | {r['padded_ms']:.1f} | "
                      f"{r['parts_ms'] / r['padded_ms']:.2f}x |")
     base = rows[0]["parts_ms"]
-    lines += ["", "Cost of the mixed batches over a plain decode step of the 16 (runtime): " + ", ".join(
+    lines += ["", "Cost of the mixed batches over a plain decode step of the 16 (in parts): " + ", ".join(
         f"{r['layout']} +{r['parts_ms'] - base:.1f} ms" for r in rows[1:])]
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> None:
-    """[--repeats N] [--threads T] [--context L] (no argparse outside cli.py)."""
-    options = {"--repeats": "20", "--threads": "", "--context": "256"}
+    """[--repeats N] [--threads T] [--context L] [--device D] [--target DIR] (no argparse outside cli.py)."""
+    options = {"--repeats": "20", "--threads": "", "--context": "256", "--device": "cpu", "--target": ""}
     args = iter(argv)
     for arg in args:
         if arg in ("-h", "--help"):
             print(f"usage: python -m dspark.bench.mixed {main.__doc__.split(' (')[0]}")
             return
         if arg not in options:
-            raise SystemExit(f"unknown option {arg}; the options are --repeats N, --threads T and --context L")
+            raise SystemExit(f"unknown option {arg}; the options are --repeats N, --threads T, --context L, "
+                             "--device D and --target DIR")
         options[arg] = next(args, "")
-    for name in options:
+    for name in ("--repeats", "--threads", "--context"):
         if options[name] and (not options[name].isdigit() or int(options[name]) < 1):
             raise SystemExit(f"{name} takes a whole number >= 1, got {options[name]!r}")
     repeats, context = int(options["--repeats"]), int(options["--context"])
-    rows = run_mixed_bench(repeats, context=context, threads=int(options["--threads"]) if options["--threads"] else None)
+    device = str(resolve_device(options["--device"]))
+    rows = run_mixed_bench(repeats, context=context, threads=int(options["--threads"]) if options["--threads"] else None,
+                           target=options["--target"] or None, device=device)
     print("Command: `" + " ".join([".venv/bin/python -m dspark.bench.mixed", *argv]) + "`")
-    print(format_rows(rows, repeats, context))
+    print(format_rows(rows, repeats, context, hardware_id(device) if device != "cpu" else "cpu"))
 
 
 if __name__ == "__main__":

@@ -62,7 +62,8 @@ def goal_lines(goals: list[dict]) -> list[str]:
 
 def format_load_markdown(report) -> str:
     env = report.environment
-    parts = [f"Mode: {report.mode}; wall {env.get('wall_s', 0):.0f} s; load average before "
+    device = f" on {env['before']['device']}" if env["before"].get("device") else ""
+    parts = [f"Mode: {report.mode}{device}; wall {env.get('wall_s', 0):.0f} s; load average before "
              f"{env['before']['loadavg_1_5_15']}, after {env['after']['loadavg_1_5_15']}."]
     if report.command:
         parts.append(f"Command: `{report.command}`")

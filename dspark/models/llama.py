@@ -329,7 +329,7 @@ def make_plan(batch: RaggedBatch, cache: KVCache, config: TargetConfig, dtype: t
     signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
     write_index = cache.flat_index(slots, starts, qlens)
     group = config.num_attention_heads // config.num_key_value_heads
-    groups = query_parts(qlens)
+    groups = attention_groups(qlens, starts, slots, group, cache.device.type)
     offsets = [0]
     for q in qlens:
         offsets.append(offsets[-1] + q)
@@ -368,6 +368,27 @@ def query_parts(qlens: list[int]) -> list[list[int]]:
     for i, q in enumerate(qlens):
         buckets.setdefault((q - 1).bit_length(), []).append(i)
     return list(buckets.values())
+
+
+# One padded attention call on a GPU while its padded scores stay under this many elements
+# (32 MiB of float32 mask), e.g. 64 requests x 3 query heads per kv head x 8 rows x 2048 keys.
+ONE_CALL_ELEMENTS = 1 << 23
+
+
+def attention_groups(qlens: list[int], starts: list[int], slots: list[int], heads_per_kv: int,
+                     device_type: str) -> list[list[int]]:
+    """How a forward's requests share attention calls. On the CPU, by query length
+    (`query_parts`): padded rows cost compute there. On a GPU, one call for all while the
+    padded scores stay small (`ONE_CALL_ELEMENTS`): a small model's step there costs what its
+    kernel launches cost, and each part adds some 27 ops per layer (`python -m dspark.bench.ops`
+    counts them), so a step in which a few requests verify drafts would cost half as much again
+    as a plain one; a long prefill chunk beside them still gets its own call."""
+    groups = query_parts(qlens)
+    if device_type == "cpu" or len(groups) == 1:
+        return groups
+    span = max(slots) - min(slots) + 1
+    padded = span * heads_per_kv * max(qlens) * max(s + q for s, q in zip(starts, qlens))
+    return [list(range(len(qlens)))] if padded <= ONE_CALL_ELEMENTS else groups
 
 
 def _make_part(rows: torch.Tensor | None, slots: list[int], starts: list[int], qlens: list[int], cache: KVCache,
