@@ -271,7 +271,13 @@ def test_observe_projects_lazily_and_equals_eager_projection():
     assert state.num_context == 0
 
 
-def test_batched_propose_equals_one_request_at_a_time():
+@pytest.mark.parametrize("one_call", [False, True], ids=["per-request", "one-call"])
+def test_batched_propose_equals_one_request_at_a_time(one_call, monkeypatch):
+    """Contexts of 3, 10 and 1 positions; `one_call`: the padded attention a GPU runs,
+    given to the CPU (`attend_in_one_call`)."""
+    from dspark.draft import backbone
+
+    monkeypatch.setattr(backbone, "attend_in_one_call", lambda device_type, n: one_call and n > 1)
     target = _target()
     d = _drafter(target, "gated")
     tokens, hidden = _context(d, [3, 10, 1])

@@ -161,6 +161,60 @@ def test_untrained_learned_drafters_are_lossless(kind, cfg, policy):
     assert result.p_value > ALPHA, result
 
 
+def _gpu_layouts(monkeypatch) -> None:
+    """Give the CPU what a GPU runs: the target attends in one padded call
+    (`attention_groups`), and the drafter's requests too (`attend_in_one_call`)."""
+    from dspark.draft import backbone
+    from dspark.models import llama
+
+    chosen = llama.attention_groups
+    monkeypatch.setattr(llama, "attention_groups", lambda q, st, sl, h, _device: chosen(q, st, sl, h, "cuda"))
+    monkeypatch.setattr(backbone, "attend_in_one_call", lambda _device, n: n > 1)
+
+
+@pytest.mark.parametrize("policy", ["dspark", "fixed"])
+def test_gpu_layouts_keep_greedy_output(policy, monkeypatch):
+    """Five requests at once, of different prompt lengths, verifying different numbers of
+    draft tokens: speculative greedy output equals plain greedy decoding, token for token."""
+    from dspark.draft.factory import build_drafter
+    from dspark.draft.ngram import NoDrafter
+    from dspark.models.tiny import tiny_target
+
+    _gpu_layouts(monkeypatch)
+    target = tiny_target(seed=7)
+    drafter = build_drafter("dspark", target.config, target.embed_tokens, target.lm_head_weight, seed=3,
+                            block_size=3, markov_head_type="vanilla", markov_rank=4)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [2] * 11, [7, 7]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+
+    def run(drafter, policy):
+        cost = CostTable({1: 0.010, 512: 0.020, 1024: 0.024, 1536: 0.040, 4096: 0.300})
+        engine = Engine(target, drafter, build_policy(policy, block_size=drafter.block_size, cost=cost, threshold=0.4),
+                        EngineConfig(max_running=len(prompts), max_seq_len=64))
+        ids = [engine.add_request(p, params) for p in prompts]
+        while engine.has_work():
+            engine.step()
+        return [engine.pop_finished(i).output_ids for i in ids], engine
+
+    plain, _ = run(NoDrafter(1), "none")
+    drafted, engine = run(drafter, policy)
+    assert drafted == plain and engine.num_full_drafts + engine.num_partial_drafts > 0
+
+
+def test_gpu_layouts_are_lossless_on_the_cpu(monkeypatch):
+    """The distribution test through the GPU layouts (`_gpu_layouts`)."""
+    from dspark.draft.factory import build_drafter
+
+    _gpu_layouts(monkeypatch)
+    target = _flat_target()
+    drafter = build_drafter("dspark", target.config, target.embed_tokens, target.lm_head_weight, seed=3,
+                            block_size=3, markov_head_type="vanilla", markov_rank=4)
+    params = SamplingParams(temperature=1.0, max_new_tokens=NUM_TOKENS + 1, ignore_eos=True)
+    samples = _engine_samples(target, drafter, "dspark", params, num_samples=8192)
+    result = chi_square(samples, _exact_joint(target, params), VOCAB)
+    assert result.p_value > ALPHA, result
+
+
 @pytest.mark.parametrize("kind,cfg", [("dspark", {"block_size": 3, "markov_head_type": "vanilla", "markov_rank": 4}),
                                       ("dflash", {"block_size": 3}), ("eagle3", {"block_size": 3}), ("mtp", {})])
 def test_draft_vocabulary_is_lossless(kind, cfg):

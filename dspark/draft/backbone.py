@@ -93,17 +93,24 @@ class ParallelBackbone(nn.Module):
 
     def block_hidden(self, block_embeds: torch.Tensor, caches: list[ContextKV]) -> torch.Tensor:
         """Inference: block_embeds [R, G, D] after each request's cached
-        context -> final-normed hidden states [R, G, D]."""
+        context -> final-normed hidden states [R, G, D]. Each layer attends per request
+        on the CPU, in one padded call on a GPU (`attend_in_one_call`)."""
         g = block_embeds.shape[1]
         starts = torch.tensor([c.length for c in caches], device=block_embeds.device)
         positions = starts[:, None] + torch.arange(g, device=block_embeds.device)
         cos, sin = self.shape.rope(positions, block_embeds.dtype)
         for cache in caches:
             cache.reserve(cache.length + g)
+        padded = padded_context(caches, g) if attend_in_one_call(block_embeds.device.type, len(caches)) else None
         x = block_embeds
         for i, layer in enumerate(self.layers):
 
             def attend_block(q, k, v, i=i):
+                if padded is not None:
+                    context, mask = padded
+                    keys = torch.cat([context[:, i, 0], k], dim=1)
+                    values = torch.cat([context[:, i, 1], v], dim=1)
+                    return attend(q, keys, values, mask)
                 outs = []
                 for r, cache in enumerate(caches):
                     n = cache.length
@@ -137,6 +144,28 @@ class ParallelBackbone(nn.Module):
 
             x = self._layer(layer, x, cos, sin, attend_block)
         return self.norm(x)
+
+
+def attend_in_one_call(device_type: str, num_requests: int) -> bool:
+    """Whether a drafting round's requests attend in one padded call per layer. On a GPU yes:
+    a call per request costs some 29 ops per layer and request (`python -m dspark.bench.ops`),
+    and ops, not arithmetic, set a small drafter's price there. On the CPU no: padding copies
+    every context (megabytes per round at a few hundred tokens of eight requests)."""
+    return device_type != "cpu" and num_requests > 1
+
+
+def padded_context(caches: list[ContextKV], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The requests' context keys and values padded to the longest, [R, layers, 2, S, Hkv, hd]
+    (zeros after each context), and the mask [R, G, S + G] of what a block's queries see:
+    their own context, then the whole block (keys appended after the padded contexts)."""
+    lengths = [c.length for c in caches]
+    longest, first = max(lengths), caches[0].data
+    context = first.new_zeros(len(caches), first.shape[0], 2, longest, *first.shape[3:])
+    for r, cache in enumerate(caches):
+        context[r, :, :, : cache.length] = cache.data[:, :, : cache.length]
+    seen = torch.arange(longest, device=first.device)[None, :] < torch.tensor(lengths, device=first.device)[:, None]
+    mask = torch.cat([seen, seen.new_ones(len(caches), block_size)], dim=1)  # [R, S + G]
+    return context, mask[:, None, :].expand(-1, block_size, -1)
 
 
 def block_train_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
