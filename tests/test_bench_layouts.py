@@ -1,0 +1,28 @@
+"""The layout benchmark (python -m dspark.bench.layouts) on a tiny random target."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark.bench import layouts
+from dspark.draft import backbone
+from dspark.models import load_target
+from dspark.models.tiny import tiny_hf_folder
+
+
+def test_propose_is_timed_in_both_layouts_and_the_choice_is_restored(tmp_path):
+    chosen = backbone.attend_in_one_call
+    target = load_target(str(tiny_hf_folder(tmp_path, seed=2, vocab_size=96))).model
+    rows = layouts.propose_ms(target, batches=(1, 3), context=8, repeats=1, warmup=0)
+    assert [r["batch"] for r in rows] == [1, 3]
+    assert all(r["one_call_ms"] > 0 and r["per_request_ms"] > 0 for r in rows)
+    assert backbone.attend_in_one_call is chosen
+    text = layouts.format_propose(rows, "cpu", 1)
+    assert "| 3 |" in text and "one call / per request" in text
+
+
+def test_bad_options_stop_before_loading():
+    with pytest.raises(SystemExit, match="unknown option --fast"):
+        layouts.main(["--fast"])
+    with pytest.raises(SystemExit, match="--repeats takes a whole number"):
+        layouts.main(["--repeats", "0"])
