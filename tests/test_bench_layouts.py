@@ -21,6 +21,17 @@ def test_propose_is_timed_in_both_layouts_and_the_choice_is_restored(tmp_path):
     assert "| 3 |" in text and "one call / per request" in text
 
 
+def test_random_folder_like_keeps_the_shape(tmp_path):
+    from dspark.models.tiny import random_folder_like
+
+    source = tiny_hf_folder(tmp_path / "a", seed=2, vocab_size=96)
+    copy = load_target(str(random_folder_like(source / "config.json", tmp_path / "b")))
+    original = load_target(str(source))
+    assert copy.config == original.config
+    shapes = {k: v.shape for k, v in original.model.state_dict().items()}
+    assert {k: v.shape for k, v in copy.model.state_dict().items()} == shapes
+
+
 def test_bad_options_stop_before_loading():
     with pytest.raises(SystemExit, match="unknown option --fast"):
         layouts.main(["--fast"])

@@ -15,7 +15,8 @@ machine, from the repository root, with a CUDA build of torch and scipy:
     PYTHONPATH=. python3 -m pytest -q tests/test_device.py tests/test_train_run.py
 
 (`dspark train` picks the GPU by itself whenever torch sees one, so the training
-tests then run there too.)
+tests then run there too; the two-rank test pins itself to the CPU.) All of it passed
+on an NVIDIA H200 in session 31 (docs/GPU.md).
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ The drafter has the shipped default's shape (3 layers, block 7, Markov rank 64, 
 weights rounded to float16: speed does not depend on their values), each request with 256
 observed context positions. Both layouts compute the same drafts (tests/test_draft_dspark.py)
 and the same target logits (tests/test_bench_mixed.py), so only their time differs. On a GPU
-`--target` may be a random-weight folder of the target's shape: the embedded model's GGUF
-needs the `gguf` package to convert.
+`--target` may be a random-weight folder of the target's shape
+(`python -m dspark.models.tiny CONFIG_JSON OUT_DIR`): the embedded model's GGUF needs the
+`gguf` package to convert. docs/GPU.md has an H200's numbers.
 """
 
 from __future__ import annotations

@@ -116,3 +116,25 @@ def tiny_hf_folder(tmp_path: str | Path, seed: int = 0, **kw) -> Path:
     (folder / "config.json").write_text(json.dumps(hf, indent=2))
     save_file(tiny_state_dict(config, seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
+
+
+def random_folder_like(config_json: str | Path, out_dir: str | Path, seed: int = 0) -> Path:
+    """A folder with `config_json` and random weights of its shape (no tokenizer): a stand-in
+    for a model whose weights are not at hand when only speed is measured (a step costs the
+    same whatever the weights' values), e.g. on a GPU machine that cannot convert the
+    embedded GGUF."""
+    hf = json.loads(Path(config_json).read_text())
+    config = TargetConfig.from_hf(hf)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    save_file(tiny_state_dict(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3:
+        raise SystemExit("usage: python -m dspark.models.tiny CONFIG_JSON OUT_DIR (random weights of that shape)")
+    print(random_folder_like(sys.argv[1], sys.argv[2]))
