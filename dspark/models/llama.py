@@ -404,7 +404,7 @@ def _make_part(rows: torch.Tensor | None, slots: list[int], starts: list[int], q
     scatter = None
     if not dense:
         scatter = torch.cat([torch.arange(q) + row_of[slot] * max_query for slot, q in zip(slots, qlens)])
-    mask = _make_mask(span_slots, row_of, slots, starts, max_query, attended, group, dtype)
+    mask = _make_mask(span_slots, row_of, slots, starts, max_query, attended, group, dtype, cache.device)
     return AttentionPart(rows=rows, span_start=lo if compact else 0, span=len(span_slots), max_query=max_query,
                          attended=attended, mask=mask, scatter_rows=scatter,
                          gather_slots=None if compact else torch.tensor(span_slots))
@@ -412,21 +412,24 @@ def _make_part(rows: torch.Tensor | None, slots: list[int], starts: list[int], q
 
 def _make_mask(
     span_slots: list[int], row_of: dict[int, int], slots: list[int], starts: list[int],
-    max_query: int, attended: int, group: int, dtype: torch.dtype,
+    max_query: int, attended: int, group: int, dtype: torch.dtype, device: torch.device,
 ) -> torch.Tensor | None:
     """Additive mask [S, 1, group * max_query, L]: query row (g, i) of a request that had
     `start` cached tokens sees keys j <= start + i. Slots in the span that are not in the
-    batch see everything (their rows are discarded), which keeps softmax finite."""
-    limit = torch.full((len(span_slots),), attended - 1, dtype=torch.long)
+    batch see everything (their rows are discarded), which keeps softmax finite. Built on
+    `device` from two [S] vectors: on a GPU the [S, Q, L] comparison runs there instead of
+    being computed on the host and copied over in every step."""
+    limits = [attended - 1] * len(span_slots)
+    in_batch = [False] * len(span_slots)
     for slot, start in zip(slots, starts):
-        limit[row_of[slot]] = start
-    if max_query == 1 and len(span_slots) == len(slots) and bool((limit == attended - 1).all()):
+        limits[row_of[slot]] = start
+        in_batch[row_of[slot]] = True
+    if max_query == 1 and all(in_batch) and all(x == attended - 1 for x in limits):
         return None  # one new token per request, all with the same length: nothing to hide
-    query_pos = torch.arange(max_query).repeat(group)  # [Q], row (g, i) -> i
-    key_pos = torch.arange(attended)
+    limit = torch.tensor(limits, dtype=torch.long, device=device)
+    query_pos = torch.arange(max_query, device=device).repeat(group)  # [Q], row (g, i) -> i
+    key_pos = torch.arange(attended, device=device)
     visible = key_pos[None, None, :] <= (limit[:, None, None] + query_pos[None, :, None])  # [S, Q, L]
-    in_batch = torch.zeros(len(span_slots), dtype=torch.bool)
-    in_batch[[row_of[s] for s in slots]] = True
-    visible |= ~in_batch[:, None, None]
-    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+    visible |= ~torch.tensor(in_batch, device=device)[:, None, None]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
     return mask[:, None]
