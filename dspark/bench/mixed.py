@@ -37,7 +37,7 @@ LAYOUTS = (
 @contextlib.contextmanager
 def attention_layout(one_call: bool):
     """Attention over the whole batch in one padded call (one_call), or in parts by query
-    length (`query_parts`), whatever the runtime would choose on this device."""
+    length (`query_parts`), regardless of what the runtime would choose on this device."""
     from dspark.models import llama
 
     chosen = llama.attention_groups
