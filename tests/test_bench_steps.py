@@ -118,3 +118,21 @@ def test_trace_marks_the_gates_probes_and_counts_what_was_verified():
     assert (f"gate: {1 + len(chosen)} drafted steps: 1 probes (0 verified nothing), {len(chosen)} chosen "
             f"({nothing} verified nothing); {engine.policy.gate.vetoed} vetoes"
             in summarise(records, cost, engine.policy.gate.vetoed))
+
+
+def test_step_trace_names_its_device_and_times_to_the_end_of_device_work(monkeypatch):
+    from dspark.bench import steps
+    from dspark.errors import UserError
+
+    with pytest.raises(UserError, match="auto, cpu, cuda"):
+        steps.main(["none", "none", "1", "5", "--device", "gpu0"])
+    with pytest.raises(SystemExit, match=r"\[--device D\]"):
+        steps.main(["none", "none", "0", "5", "--device", "cpu"])
+    synced = []
+    monkeypatch.setattr(steps, "synchronize", lambda device: synced.append(str(device)))
+    target = tiny_target(seed=0)
+    engine = Engine(target, NgramDrafter(block_size=3), make_policy("fixed", None, k=3),
+                    EngineConfig(max_running=2, max_seq_len=64))
+    trace_steps(engine, [[5, 6, 7, 5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=4), 1, 3, progress=False)
+    # around every step and every timed phase, on the target's device
+    assert len(synced) >= 2 * 3 + 2 * 3 and set(synced) == {"cpu"}

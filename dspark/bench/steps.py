@@ -19,7 +19,7 @@ gate drafted two requests in nearly every step at 16 clients because the cached
 profile said a step verifying 18 tokens (125 ms) was cheaper than a plain one of
 16 (153 ms); the trace measured 131 and 136 ms.
 
-    .venv/bin/python -m dspark.bench.steps DRAFTER POLICY CONCURRENCY STEPS [PROBE_EVERY [PROMPT_CHARS]]
+    .venv/bin/python -m dspark.bench.steps DRAFTER POLICY CONCURRENCY STEPS [PROBE_EVERY [PROMPT_CHARS]] [--device D]
 
 runs the embedded target on the evaluation prompts (greedy, 64 new tokens, one
 torch thread as the load benchmark) and prints the summary. With PROBE_EVERY
@@ -29,6 +29,9 @@ the draft gate's probes), no one on the others (verify lengths are still the
 policy's), so the summary sets a probe step's cost beside a plain step's
 (0: the policy chooses). PROMPT_CHARS (default 300, as the load runs of
 `load_docs`) caps the prompts' length; `dspark bench serve` replays up to 2000.
+`--device cuda` traces the engine on a GPU: each phase and step is then timed to the
+end of its GPU work (synchronized), which says where the ~7 ms of a GPU step outside
+the forward go (docs/GPU.md, run AL).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from dspark.models.device import synchronize
 
 
 @dataclass
@@ -69,12 +74,15 @@ def trace_steps(engine, prompts: Sequence[list[int]], params, concurrency: int, 
     if concurrency < 1 or steps < 1 or not prompts:
         raise ValueError(f"need concurrency >= 1, steps >= 1 and prompts; got {concurrency}, {steps}, {len(prompts)}")
     target, drafter = engine.target, engine.drafter
+    device = next(target.parameters()).device
     cur: dict[str, float] = {}
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
+            synchronize(device)  # on a GPU a phase is timed from the end of the last one to its own end
             start = time.perf_counter()
             out = fn(*args, **kwargs)
+            synchronize(device)
             cur[name] = cur.get(name, 0.0) + time.perf_counter() - start
             return out
         return wrapper
@@ -123,8 +131,10 @@ def trace_steps(engine, prompts: Sequence[list[int]], params, concurrency: int, 
         for _ in tqdm(range(steps), desc=f"tracing {concurrency} requests", unit="step", disable=not progress):
             cur.clear()
             drafted_before = engine.num_full_drafts + engine.num_partial_drafts
+            synchronize(device)
             start = time.perf_counter()
             outputs = engine.step()
+            synchronize(device)
             seconds = time.perf_counter() - start
             records.append(StepRecord(
                 seconds=seconds, forward=cur.get("forward", 0.0), propose=cur.get("propose", 0.0),
@@ -205,12 +215,19 @@ def summarise(records: Sequence[StepRecord], cost=None, vetoes: int | None = Non
 
 
 def main(argv: list[str]) -> None:
-    """DRAFTER POLICY CONCURRENCY STEPS (no argparse outside cli.py)."""
+    """DRAFTER POLICY CONCURRENCY STEPS [PROBE_EVERY [PROMPT_CHARS]] [--device D] (no argparse outside cli.py)."""
+    from dspark.models.device import resolve_device  # a GPU's phases are timed to their ends (synchronized)
+
+    device = "cpu"
+    if "--device" in argv:
+        at = argv.index("--device")
+        device = str(resolve_device(argv[at + 1] if at + 1 < len(argv) else ""))
+        argv = argv[:at] + argv[at + 2:]
     numbers = argv[2:]
     if (len(argv) not in (4, 5, 6) or not all(a.isdigit() for a in numbers)
             or not all(int(a) > 0 for k, a in enumerate(numbers) if k != 2)):
         raise SystemExit("usage: python -m dspark.bench.steps DRAFTER POLICY CONCURRENCY STEPS [PROBE_EVERY "
-                         "[PROMPT_CHARS]] (integers > 0, PROBE_EVERY >= 0; e.g. "
+                         "[PROMPT_CHARS]] [--device D] (integers > 0, PROBE_EVERY >= 0; e.g. "
                          "dspark/assets/drafters/smollm2-135m-dspark dspark 16 300)")
     import torch
 
@@ -224,7 +241,7 @@ def main(argv: list[str]) -> None:
 
     drafter_spec, policy_name, concurrency, steps = argv[0], argv[1], int(argv[2]), int(argv[3])
     torch.set_num_threads(1)  # as the load benchmark (dspark.bench.load_docs)
-    loaded = load_target(None)
+    loaded = load_target(None, device=device)
     probe_every = int(argv[4]) if len(argv) > 4 else 0
     prompts = load_prompts("all", max_chars=int(argv[5]) if len(argv) > 5 else 300)
     backend = InProcessBackend(loaded, prompts, SamplingSpec(max_new_tokens=64), concurrency, embedded=True)
