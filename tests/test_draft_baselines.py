@@ -86,6 +86,31 @@ def test_incremental_context_equals_recompute_also_after_truncation(kind, cfg):
     torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("one_call", [False, True], ids=["per-request", "one-call"])
+@pytest.mark.parametrize("kind,cfg", KINDS)
+def test_batched_propose_equals_one_request_at_a_time(kind, cfg, one_call, monkeypatch):
+    """Contexts of 3, 10 and 1 positions; `one_call`: the padded attention a GPU runs,
+    given to the CPU (`attend_in_one_call`)."""
+    from dspark.draft import chain
+
+    monkeypatch.setattr(chain, "attend_in_one_call", lambda device_type, n: one_call and n > 1)
+    target = _target()
+    d = _drafter(target, kind, **cfg)
+    t = len(d.tap_layers)
+    gen = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, V, (n,), generator=gen) for n in (3, 10, 1)]
+    hidden = [torch.randn(n, t, 32, generator=gen) for n in (3, 10, 1)]
+    batch = [d.new_state() for _ in range(3)]
+    d.observe(batch, tokens, hidden)
+    together = _propose(d, batch, [5, 6, 7], [1.0, 0.5, 0.0], seed=1)
+    for r in range(3):
+        alone = d.new_state()
+        d.observe([alone], [tokens[r]], [hidden[r]])
+        one = _propose(d, [alone], [5 + r], [[1.0, 0.5, 0.0][r]], seed=1 + r)
+        assert torch.equal(one.draft_tokens[0], together.draft_tokens[r])
+        torch.testing.assert_close(one.draft_probs[0], together.draft_probs[r], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("vocab", [0, 20])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("kind,cfg", KINDS)

@@ -164,16 +164,17 @@ def test_untrained_learned_drafters_are_lossless(kind, cfg, policy):
 def _gpu_layouts(monkeypatch) -> None:
     """Give the CPU what a GPU runs: the target attends in one padded call
     (`attention_groups`), and the drafter's requests too (`attend_in_one_call`)."""
-    from dspark.draft import backbone
+    from dspark.draft import backbone, chain
     from dspark.models import llama
 
     chosen = llama.attention_groups
     monkeypatch.setattr(llama, "attention_groups", lambda q, st, sl, h, _device: chosen(q, st, sl, h, "cuda"))
-    monkeypatch.setattr(backbone, "attend_in_one_call", lambda _device, n: n > 1)
+    for module in (backbone, chain):  # the DSpark/DFlash backbone; the Eagle3-style and MTP chain
+        monkeypatch.setattr(module, "attend_in_one_call", lambda _device, n: n > 1)
 
 
-@pytest.mark.parametrize("policy", ["dspark", "fixed"])
-def test_gpu_layouts_keep_greedy_output(policy, monkeypatch):
+@pytest.mark.parametrize("kind,policy", [("dspark", "dspark"), ("dspark", "fixed"), ("eagle3", "fixed")])
+def test_gpu_layouts_keep_greedy_output(kind, policy, monkeypatch):
     """Five requests at once, of different prompt lengths, verifying different numbers of
     draft tokens: speculative greedy output equals plain greedy decoding, token for token."""
     from dspark.draft.factory import build_drafter
@@ -182,8 +183,9 @@ def test_gpu_layouts_keep_greedy_output(policy, monkeypatch):
 
     _gpu_layouts(monkeypatch)
     target = tiny_target(seed=7)
-    drafter = build_drafter("dspark", target.config, target.embed_tokens, target.lm_head_weight, seed=3,
-                            block_size=3, markov_head_type="vanilla", markov_rank=4)
+    cfg = {"markov_head_type": "vanilla", "markov_rank": 4} if kind == "dspark" else {}
+    drafter = build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, seed=3,
+                            block_size=3, **cfg)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [2] * 11, [7, 7]]
     params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
 
@@ -201,16 +203,18 @@ def test_gpu_layouts_keep_greedy_output(policy, monkeypatch):
     assert drafted == plain and engine.num_full_drafts + engine.num_partial_drafts > 0
 
 
-def test_gpu_layouts_are_lossless_on_the_cpu(monkeypatch):
+@pytest.mark.parametrize("kind,policy", [("dspark", "dspark"), ("eagle3", "fixed")])
+def test_gpu_layouts_are_lossless_on_the_cpu(kind, policy, monkeypatch):
     """The distribution test through the GPU layouts (`_gpu_layouts`)."""
     from dspark.draft.factory import build_drafter
 
     _gpu_layouts(monkeypatch)
     target = _flat_target()
-    drafter = build_drafter("dspark", target.config, target.embed_tokens, target.lm_head_weight, seed=3,
-                            block_size=3, markov_head_type="vanilla", markov_rank=4)
+    cfg = {"markov_head_type": "vanilla", "markov_rank": 4} if kind == "dspark" else {}
+    drafter = build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, seed=3,
+                            block_size=3, **cfg)
     params = SamplingParams(temperature=1.0, max_new_tokens=NUM_TOKENS + 1, ignore_eos=True)
-    samples = _engine_samples(target, drafter, "dspark", params, num_samples=8192)
+    samples = _engine_samples(target, drafter, policy, params, num_samples=8192)
     result = chi_square(samples, _exact_joint(target, params), VOCAB)
     assert result.p_value > ALPHA, result
 

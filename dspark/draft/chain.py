@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dspark.draft.backbone import SharedVocab
+from dspark.draft.backbone import SharedVocab, attend_in_one_call, padded_context
 from dspark.draft.base import DraftTrainOutput, TrainableDrafter, empty_proposal
 from dspark.draft.blocks import ContextKV, LayerShape, RowBuffer, attend
 from dspark.draft.sampling import draw_uniforms, inverse_cdf, temperature_probs, to_vocab
@@ -130,9 +130,20 @@ class ChainDrafter(DraftVocabMixin, nn.Module, TrainableDrafter):
         draft_tokens = torch.empty(r, g, dtype=torch.int64, device=self.device)
         k_vocab = self.vocab.vocab_size if self.draft_ids is None else self.draft_ids.numel()
         probs = torch.empty(r, g, k_vocab, dtype=torch.float32, device=self.device)
+        padded = None
+        if attend_in_one_call(self.device.type, r):  # on a GPU: one padded call per step, not one per request
+            context, seen = padded_context([s.kv for s in states], g)  # [R, 1, 2, S, Hkv, hd], [R, G, S + G]
+            steps_kv = context.new_empty(2, r, g, *context.shape[4:])  # the block's keys, values so far
+            padded = context[:, 0], seen[:, :1], context.shape[3]
         for k in range(g):
 
             def attend_fn(q, kk, vv, k=k):
+                if padded is not None:
+                    context, seen, s = padded
+                    steps_kv[0, :, k], steps_kv[1, :, k] = kk[:, 0], vv[:, 0]
+                    keys = torch.cat([context[:, 0], steps_kv[0, :, : k + 1]], dim=1)
+                    values = torch.cat([context[:, 1], steps_kv[1, :, : k + 1]], dim=1)
+                    return attend(q, keys, values, seen[..., : s + k + 1])
                 outs = []
                 for i, state in enumerate(states):
                     end = state.num_context + k + 1
