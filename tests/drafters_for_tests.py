@@ -48,3 +48,25 @@ class BigramDrafter(Drafter):
                 conf[r, k] = torch.sigmoid(self.conf_logit[prev])
                 prev = tok
         return DraftProposal(tokens, torch.full((R,), G, dtype=torch.int64), probs, conf)
+
+
+def assert_batch_equals_alone(drafter, tokens: list, hidden: list, temps=(1.0, 0.5, 0.0), seed: int = 1) -> None:
+    """One `propose` over requests with contexts (tokens[r], hidden[r]) drafts, for each,
+    what a `propose` of that request alone drafts: same anchor (5 + r), temperature and
+    generator seed (seed + r), same tokens, the same probabilities to float rounding."""
+    from dspark.types import SamplingParams
+
+    def propose(states, anchors, temperatures, seeds):
+        params = [SamplingParams(temperature=t) for t in temperatures]
+        return drafter.propose(states, torch.tensor(anchors), params, [torch.Generator().manual_seed(s) for s in seeds])
+
+    n = len(tokens)
+    batch = [drafter.new_state() for _ in range(n)]
+    drafter.observe(batch, tokens, hidden)
+    together = propose(batch, [5 + r for r in range(n)], temps[:n], [seed + r for r in range(n)])
+    for r in range(n):
+        alone = drafter.new_state()
+        drafter.observe([alone], [tokens[r]], [hidden[r]])
+        one = propose([alone], [5 + r], [temps[r]], [seed + r])
+        assert torch.equal(one.draft_tokens[0], together.draft_tokens[r])
+        torch.testing.assert_close(one.draft_probs[0], together.draft_probs[r], rtol=1e-5, atol=1e-6)

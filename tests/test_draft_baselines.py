@@ -94,21 +94,13 @@ def test_batched_propose_equals_one_request_at_a_time(kind, cfg, one_call, monke
     from dspark.draft import chain
 
     monkeypatch.setattr(chain, "attend_in_one_call", lambda device_type, n: one_call and n > 1)
-    target = _target()
-    d = _drafter(target, kind, **cfg)
-    t = len(d.tap_layers)
+    from drafters_for_tests import assert_batch_equals_alone
+
+    d = _drafter(_target(), kind, **cfg)
     gen = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, V, (n,), generator=gen) for n in (3, 10, 1)]
-    hidden = [torch.randn(n, t, 32, generator=gen) for n in (3, 10, 1)]
-    batch = [d.new_state() for _ in range(3)]
-    d.observe(batch, tokens, hidden)
-    together = _propose(d, batch, [5, 6, 7], [1.0, 0.5, 0.0], seed=1)
-    for r in range(3):
-        alone = d.new_state()
-        d.observe([alone], [tokens[r]], [hidden[r]])
-        one = _propose(d, [alone], [5 + r], [[1.0, 0.5, 0.0][r]], seed=1 + r)
-        assert torch.equal(one.draft_tokens[0], together.draft_tokens[r])
-        torch.testing.assert_close(one.draft_probs[0], together.draft_probs[r], rtol=1e-5, atol=1e-6)
+    hidden = [torch.randn(n, len(d.tap_layers), 32, generator=gen) for n in (3, 10, 1)]
+    assert_batch_equals_alone(d, tokens, hidden)
 
 
 @pytest.mark.parametrize("vocab", [0, 20])

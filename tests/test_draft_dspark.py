@@ -278,19 +278,10 @@ def test_batched_propose_equals_one_request_at_a_time(one_call, monkeypatch):
     from dspark.draft import backbone
 
     monkeypatch.setattr(backbone, "attend_in_one_call", lambda device_type, n: one_call and n > 1)
-    target = _target()
-    d = _drafter(target, "gated")
-    tokens, hidden = _context(d, [3, 10, 1])
-    batch = [d.new_state() for _ in range(3)]
-    d.observe(batch, tokens, hidden)
-    together = _propose(d, batch, [5, 6, 7], [1.0, 0.5, 0.0], seed=1)
-    for r in range(3):
-        alone = d.new_state()
-        d.observe([alone], [tokens[r]], [hidden[r]])
-        params = [SamplingParams(temperature=[1.0, 0.5, 0.0][r])]
-        one = d.propose([alone], torch.tensor([5 + r]), params, [torch.Generator().manual_seed(1 + r)])
-        assert torch.equal(one.draft_tokens[0], together.draft_tokens[r])
-        torch.testing.assert_close(one.draft_probs[0], together.draft_probs[r], rtol=1e-5, atol=1e-6)
+    from drafters_for_tests import assert_batch_equals_alone
+
+    d = _drafter(_target(), "gated")
+    assert_batch_equals_alone(d, *_context(d, [3, 10, 1]))
 
 
 @pytest.mark.parametrize("vocab", [0, 30])
