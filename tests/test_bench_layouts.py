@@ -37,3 +37,16 @@ def test_bad_options_stop_before_loading():
         layouts.main(["--fast"])
     with pytest.raises(SystemExit, match="--repeats takes a whole number"):
         layouts.main(["--repeats", "0"])
+
+
+def test_bench_options_name_what_is_wrong():
+    from dspark.bench.options import parse_options
+
+    defaults = {"--repeats": "20", "--blocks": "", "--target": ""}
+    assert parse_options([], defaults, whole=("--repeats", "--blocks")) == defaults
+    assert parse_options(["--blocks", "3", "--target", "x"], defaults, whole=("--repeats", "--blocks"))["--blocks"] == "3"
+    for argv, message in ((["--blocks"], "--blocks takes a whole number >= 1, got ''"),
+                          (["--repeats", "0"], "--repeats takes a whole number"),
+                          (["--fast", "1"], "unknown option --fast; the options are --repeats, --blocks, --target")):
+        with pytest.raises(SystemExit, match=message):
+            parse_options(argv, defaults, whole=("--repeats", "--blocks"))

@@ -85,14 +85,9 @@ def format_propose(rows: list[dict], where: str, repeats: int) -> str:
 
 def main(argv: list[str]) -> None:
     """[--device D] [--target DIR] [--repeats N] (no argparse outside cli.py)."""
-    options = {"--device": "auto", "--target": "", "--repeats": "20"}
-    args = iter(argv)
-    for arg in args:
-        if arg not in options:
-            raise SystemExit(f"unknown option {arg}; the options are --device D, --target DIR and --repeats N")
-        options[arg] = next(args, "")
-    if not options["--repeats"].isdigit() or int(options["--repeats"]) < 1:
-        raise SystemExit(f"--repeats takes a whole number >= 1, got {options['--repeats']!r}")
+    from dspark.bench.options import parse_options
+
+    options = parse_options(argv, {"--device": "auto", "--target": "", "--repeats": "20"}, whole=("--repeats",))
     from dspark.bench.mixed import format_rows, run_mixed_bench
     from dspark.models import load_target
     from dspark.models.device import hardware_id, resolve_device

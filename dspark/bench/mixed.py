@@ -20,6 +20,7 @@ import sys
 import torch
 
 from dspark.bench.decode import _prompts, paired_ms, prefilled_cache
+from dspark.bench.options import parse_options
 from dspark.models.device import hardware_id, resolve_device, synchronize
 from dspark.types import RaggedBatch
 
@@ -116,19 +117,11 @@ def format_rows(rows: list[dict], repeats: int, context: int, device: str = "cpu
 
 def main(argv: list[str]) -> None:
     """[--repeats N] [--threads T] [--context L] [--device D] [--target DIR] (no argparse outside cli.py)."""
-    options = {"--repeats": "20", "--threads": "", "--context": "256", "--device": "cpu", "--target": ""}
-    args = iter(argv)
-    for arg in args:
-        if arg in ("-h", "--help"):
-            print(f"usage: python -m dspark.bench.mixed {main.__doc__.split(' (')[0]}")
-            return
-        if arg not in options:
-            raise SystemExit(f"unknown option {arg}; the options are --repeats N, --threads T, --context L, "
-                             "--device D and --target DIR")
-        options[arg] = next(args, "")
-    for name in ("--repeats", "--threads", "--context"):
-        if options[name] and (not options[name].isdigit() or int(options[name]) < 1):
-            raise SystemExit(f"{name} takes a whole number >= 1, got {options[name]!r}")
+    if "-h" in argv or "--help" in argv:
+        print(f"usage: python -m dspark.bench.mixed {main.__doc__.split(' (')[0]}")
+        return
+    options = parse_options(argv, {"--repeats": "20", "--threads": "", "--context": "256", "--device": "cpu",
+                                   "--target": ""}, whole=("--repeats", "--threads", "--context"))
     repeats, context = int(options["--repeats"]), int(options["--context"])
     device = str(resolve_device(options["--device"]))
     rows = run_mixed_bench(repeats, context=context, threads=int(options["--threads"]) if options["--threads"] else None,

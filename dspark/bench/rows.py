@@ -24,6 +24,7 @@ import sys
 import torch
 
 from dspark.bench.decode import _by_batch, run_decode_bench, time_lean
+from dspark.bench.options import parse_options
 
 CASES = tuple((1, q) for q in range(1, 9)) + tuple((r, 1) for r in (2, 3, 4, 6, 8))  # (requests, tokens each)
 
@@ -82,16 +83,9 @@ def compare_blocks(threads: int, repeats: int, rounds: int) -> str:
 
 def main(argv: list[str]) -> None:
     """[--threads N] [--repeats N] [--blocks ROUNDS] (no argparse outside cli.py)."""
-    options = {"--threads": "1", "--repeats": "15", "--blocks": "0"}
-    args = iter(argv)
-    for arg in args:
-        if arg not in options:
-            raise SystemExit(f"unknown option {arg}; the options are --threads N, --repeats N and --blocks ROUNDS")
-        value = next(args, "")
-        if not value.isdigit() or int(value) < 1:
-            raise SystemExit(f"{arg} takes a whole number >= 1, got {value!r}")
-        options[arg] = value
-    if int(options["--blocks"]):
+    options = parse_options(argv, {"--threads": "1", "--repeats": "15", "--blocks": ""},
+                            whole=("--threads", "--repeats", "--blocks"))
+    if options["--blocks"]:
         print(compare_blocks(int(options["--threads"]), int(options["--repeats"]), int(options["--blocks"])))
         return
     result = run_decode_bench(None, int(options["--repeats"]), cases=CASES, dtypes=(torch.float32,),
