@@ -45,17 +45,18 @@ def test_steps_are_counted_by_phase_and_the_engine_is_restored():
         ops.count_step_ops(engine, PROMPTS, GREEDY, 0, 1)
 
 
-def test_one_attention_call_takes_fewer_ops_when_query_lengths_differ(monkeypatch):
+def test_one_attention_call_takes_fewer_ops_when_query_lengths_differ():
     """Requests verifying drafts beside one still in its prompt (different query lengths):
     the GPU layout attends in one call, the CPU one in a call per length."""
+    from dspark.bench.layouts import runtime_layouts
+
     prompts = [[5, 6, 7, 8, 9], [9, 10, 11], [3, 4] * 20, [12, 13, 14, 15]]
     counts = {}
     for device in ("cpu", "cuda"):
-        chosen = llama.attention_groups
-        monkeypatch.setattr(llama, "attention_groups", lambda q, st, sl, h, _d, device=device: chosen(q, st, sl, h, device))
         engine = _engine("fixed", k=3, max_prefill_tokens=8)  # the long prompt comes in chunks beside verifications
-        counts[device] = [r.count("forward") for r in ops.count_step_ops(engine, prompts, GREEDY, 4, 3, warmup=1)]
-        monkeypatch.setattr(llama, "attention_groups", chosen)
+        with runtime_layouts(device):
+            counts[device] = [r.count("forward") for r in ops.count_step_ops(engine, prompts, GREEDY, 4, 3, warmup=1)]
+    assert llama.attention_groups([1, 8], [0, 0], [0, 1], 2, "cpu") == [[0], [1]]  # restored
     assert all(gpu < cpu for gpu, cpu in zip(counts["cuda"], counts["cpu"])), counts
 
 

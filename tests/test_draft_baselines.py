@@ -88,19 +88,18 @@ def test_incremental_context_equals_recompute_also_after_truncation(kind, cfg):
 
 @pytest.mark.parametrize("one_call", [False, True], ids=["per-request", "one-call"])
 @pytest.mark.parametrize("kind,cfg", KINDS)
-def test_batched_propose_equals_one_request_at_a_time(kind, cfg, one_call, monkeypatch):
+def test_batched_propose_equals_one_request_at_a_time(kind, cfg, one_call):
     """Contexts of 3, 10 and 1 positions; `one_call`: the padded attention a GPU runs,
-    given to the CPU (`attend_in_one_call`)."""
-    from dspark.draft import chain
-
-    monkeypatch.setattr(chain, "attend_in_one_call", lambda device_type, n: one_call and n > 1)
+    given to the CPU (`runtime_layouts`)."""
+    from dspark.bench.layouts import runtime_layouts
     from drafters_for_tests import assert_batch_equals_alone
 
     d = _drafter(_target(), kind, **cfg)
     gen = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, V, (n,), generator=gen) for n in (3, 10, 1)]
     hidden = [torch.randn(n, len(d.tap_layers), 32, generator=gen) for n in (3, 10, 1)]
-    assert_batch_equals_alone(d, tokens, hidden)
+    with runtime_layouts("cuda" if one_call else "cpu"):
+        assert_batch_equals_alone(d, tokens, hidden)
 
 
 @pytest.mark.parametrize("vocab", [0, 20])

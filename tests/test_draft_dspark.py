@@ -272,16 +272,15 @@ def test_observe_projects_lazily_and_equals_eager_projection():
 
 
 @pytest.mark.parametrize("one_call", [False, True], ids=["per-request", "one-call"])
-def test_batched_propose_equals_one_request_at_a_time(one_call, monkeypatch):
+def test_batched_propose_equals_one_request_at_a_time(one_call):
     """Contexts of 3, 10 and 1 positions; `one_call`: the padded attention a GPU runs,
-    given to the CPU (`attend_in_one_call`)."""
-    from dspark.draft import backbone
-
-    monkeypatch.setattr(backbone, "attend_in_one_call", lambda device_type, n: one_call and n > 1)
+    given to the CPU (`runtime_layouts`)."""
+    from dspark.bench.layouts import runtime_layouts
     from drafters_for_tests import assert_batch_equals_alone
 
     d = _drafter(_target(), "gated")
-    assert_batch_equals_alone(d, *_context(d, [3, 10, 1]))
+    with runtime_layouts("cuda" if one_call else "cpu"):
+        assert_batch_equals_alone(d, *_context(d, [3, 10, 1]))
 
 
 @pytest.mark.parametrize("vocab", [0, 30])

@@ -161,27 +161,24 @@ def test_untrained_learned_drafters_are_lossless(kind, cfg, policy):
     assert result.p_value > ALPHA, result
 
 
-def _gpu_layouts(monkeypatch) -> None:
-    """Give the CPU what a GPU runs: the target attends in one padded call
-    (`attention_groups`), and the drafter's requests too (`attend_in_one_call`)."""
-    from dspark.draft import backbone, chain
-    from dspark.models import llama
+@pytest.fixture
+def gpu_layouts():
+    """Give the CPU what a GPU runs (`dspark.bench.layouts.runtime_layouts`): the target
+    and the drafters attend in one padded call."""
+    from dspark.bench.layouts import runtime_layouts
 
-    chosen = llama.attention_groups
-    monkeypatch.setattr(llama, "attention_groups", lambda q, st, sl, h, _device: chosen(q, st, sl, h, "cuda"))
-    for module in (backbone, chain):  # the DSpark/DFlash backbone; the Eagle3-style and MTP chain
-        monkeypatch.setattr(module, "attend_in_one_call", lambda _device, n: n > 1)
+    with runtime_layouts("cuda"):
+        yield
 
 
 @pytest.mark.parametrize("kind,policy", [("dspark", "dspark"), ("dspark", "fixed"), ("eagle3", "fixed")])
-def test_gpu_layouts_keep_greedy_output(kind, policy, monkeypatch):
+def test_gpu_layouts_keep_greedy_output(kind, policy, gpu_layouts):
     """Five requests at once, of different prompt lengths, verifying different numbers of
     draft tokens: speculative greedy output equals plain greedy decoding, token for token."""
     from dspark.draft.factory import build_drafter
     from dspark.draft.ngram import NoDrafter
     from dspark.models.tiny import tiny_target
 
-    _gpu_layouts(monkeypatch)
     target = tiny_target(seed=7)
     cfg = {"markov_head_type": "vanilla", "markov_rank": 4} if kind == "dspark" else {}
     drafter = build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, seed=3,
@@ -204,11 +201,10 @@ def test_gpu_layouts_keep_greedy_output(kind, policy, monkeypatch):
 
 
 @pytest.mark.parametrize("kind,policy", [("dspark", "dspark"), ("eagle3", "fixed")])
-def test_gpu_layouts_are_lossless_on_the_cpu(kind, policy, monkeypatch):
-    """The distribution test through the GPU layouts (`_gpu_layouts`)."""
+def test_gpu_layouts_are_lossless_on_the_cpu(kind, policy, gpu_layouts):
+    """The distribution test through the GPU layouts (`gpu_layouts`)."""
     from dspark.draft.factory import build_drafter
 
-    _gpu_layouts(monkeypatch)
     target = _flat_target()
     cfg = {"markov_head_type": "vanilla", "markov_rank": 4} if kind == "dspark" else {}
     drafter = build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, seed=3,

@@ -28,20 +28,27 @@ BATCHES = (1, 8, 32)
 
 
 @contextlib.contextmanager
-def drafter_layout(one_call: bool):
-    """Drafting requests attend in one padded call per layer (one_call) or one call each."""
-    from dspark.draft import backbone
+def runtime_layouts(device_type: str):
+    """Attention laid out as the runtime lays it out on `device_type` ("cpu" or "cuda"),
+    whatever device the tensors are on: the target's calls (`attention_groups`) and the
+    drafters' (`attend_in_one_call` of the DSpark/DFlash backbone and of the chain drafters).
+    Gives a CPU what a GPU runs, for tests and op counts, or times both on one device."""
+    from dspark.draft import backbone, chain
+    from dspark.models import llama
 
-    chosen = backbone.attend_in_one_call
-    backbone.attend_in_one_call = lambda _device, num_requests: one_call and num_requests > 1
+    groups, one_call = llama.attention_groups, backbone.attend_in_one_call
+    llama.attention_groups = lambda qlens, starts, slots, heads, _device: groups(qlens, starts, slots, heads, device_type)
+    backbone.attend_in_one_call = chain.attend_in_one_call = lambda _device, n: one_call(device_type, n)
     try:
         yield
     finally:
-        backbone.attend_in_one_call = chosen
+        llama.attention_groups = groups
+        backbone.attend_in_one_call = chain.attend_in_one_call = one_call
 
 
 def propose_ms(target, batches=BATCHES, context: int = 256, repeats: int = 20, warmup: int = 3) -> list[dict]:
-    """Median ms of one `propose` per request count, both layouts timed in alternation."""
+    """Median ms of one `propose` per request count, the GPU's layout (one padded call) and
+    the CPU's (a call per request) timed in alternation."""
     from dspark.bench.draft import _observed_states
     from dspark.draft.factory import build_drafter
     from dspark.models.device import synchronize
@@ -60,7 +67,7 @@ def propose_ms(target, batches=BATCHES, context: int = 256, repeats: int = 20, w
         times: dict[bool, list[float]] = {True: [], False: []}
         for k in range(warmup + repeats):
             for one_call in (True, False):
-                with drafter_layout(one_call):
+                with runtime_layouts("cuda" if one_call else "cpu"):
                     synchronize(drafter.device)
                     start = time.perf_counter()
                     drafter.propose(states, anchors, params, gens)
@@ -96,10 +103,10 @@ def main(argv: list[str]) -> None:
     target = options["--target"] or None
     where = hardware_id(device)
     print("Command: `" + " ".join(["python -m dspark.bench.layouts", *argv]) + "`")
-    mixed = run_mixed_bench(repeats, target=target, device=str(device))
-    print(format_rows(mixed, repeats, 256, where))
+    loaded = load_target(target, device=str(device))
+    print(format_rows(run_mixed_bench(repeats, loaded=loaded), repeats, 256, where))
     print()
-    rows = propose_ms(load_target(target, device=str(device)).model, repeats=repeats)
+    rows = propose_ms(loaded.model, repeats=repeats)
     print(format_propose(rows, where, repeats))
 
 

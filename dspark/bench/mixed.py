@@ -78,12 +78,14 @@ def mixed_steps(loaded, context: int = 256) -> dict[str, object]:
 
 
 def run_mixed_bench(repeats: int = 20, warmup: int = 2, context: int = 256, threads: int | None = None,
-                    target: str | None = None, device: str = "cpu") -> list[dict]:
+                    target: str | None = None, device: str = "cpu", loaded=None) -> list[dict]:
+    """Both layouts of every case timed in alternation, on `loaded` (a LoadedTarget) or on
+    `target` (None: the embedded model) loaded on `device`."""
     from dspark.models import load_target
 
     if threads is not None:
         torch.set_num_threads(threads)
-    loaded = load_target(target, device=device)
+    loaded = loaded or load_target(target, device=device)
     steps = mixed_steps(loaded, context)
     rows = []
     for label, qlens in LAYOUTS:

@@ -10,8 +10,7 @@ runs the embedded target on the CPU with torch's own matmuls (dspark's C kernel 
 them) like `dspark.bench.steps`: greedy, a closed loop of CONCURRENCY requests over the
 evaluation prompts, and counts each of STEPS steps' ops in the target forward, the drafter's
 `propose` and `observe`, and the rest of the step. `gpu` lays attention out as a GPU does
-(`dspark.models.llama.attention_groups`, `attend_in_one_call` in `dspark.draft.backbone`
-and `dspark.draft.chain`). Prints, for plain and drafting steps apart,
+(`dspark.bench.layouts.runtime_layouts`). Prints, for plain and drafting steps apart,
 the median counts and the most frequent ops.
 """
 
@@ -144,10 +143,10 @@ def main(argv: list[str]) -> None:
 
     from dspark.bench.arms import Arm
     from dspark.bench.clients import ChatEncoder, SamplingSpec
+    from dspark.bench.layouts import runtime_layouts
     from dspark.bench.load import InProcessBackend, load_prompts
-    from dspark.draft import backbone, chain
     from dspark.engine.engine import Engine
-    from dspark.models import llama, load_target
+    from dspark.models import load_target
     from dspark.schedule import make_policy
     from dspark.types import SamplingParams
 
@@ -161,16 +160,9 @@ def main(argv: list[str]) -> None:
     engine = Engine(loaded.model, drafter, make_policy(policy_name, cost, **options), backend.engine_config,
                     tokenizer=loaded.tokenizer)
     encoder = ChatEncoder(loaded.tokenizer)
-    chosen, one_call = llama.attention_groups, backbone.attend_in_one_call
-    if layout == "gpu":
-        llama.attention_groups = lambda qlens, starts, slots, heads, _device: chosen(qlens, starts, slots, heads, "cuda")
-        backbone.attend_in_one_call = chain.attend_in_one_call = lambda _device, n: one_call("cuda", n)
-    try:
+    with runtime_layouts("cuda" if layout == "gpu" else "cpu"):
         records = count_step_ops(engine, [encoder(p) for p in prompts], SamplingParams(temperature=0.0, max_new_tokens=64),
                                  concurrency, steps)
-    finally:
-        llama.attention_groups = chosen
-        backbone.attend_in_one_call = chain.attend_in_one_call = one_call
     print(f"Command: `.venv/bin/python -m dspark.bench.ops {' '.join(argv)}`")
     print(f"{drafter_spec} / {policy_name}, {concurrency} requests, attention laid out as on a {layout.upper()}")
     print(summarise_ops(records))

@@ -216,7 +216,7 @@ def summarise(records: Sequence[StepRecord], cost=None, vetoes: int | None = Non
 
 def main(argv: list[str]) -> None:
     """DRAFTER POLICY CONCURRENCY STEPS [PROBE_EVERY [PROMPT_CHARS]] [--device D] (no argparse outside cli.py)."""
-    from dspark.models.device import resolve_device  # a GPU's phases are timed to their ends (synchronized)
+    from dspark.models.device import resolve_device
 
     device = "cpu"
     if "--device" in argv:
