@@ -97,6 +97,14 @@ class VerifyResult:
         n = int(self.num_accepted[r]) + 1
         return [int(t) for t in self.output_tokens[r, :n]]
 
+    def on_host(self) -> tuple[list[int], list[list[int]]]:
+        """(accepted drafts per request, committed tokens per request), read in two copies:
+        `committed(r)` for every r reads 2 + committed scalars per request, each a sync on a
+        GPU."""
+        accepted = self.num_accepted.tolist()
+        rows = self.output_tokens.tolist()
+        return accepted, [row[: n + 1] for row, n in zip(rows, accepted)]
+
 
 @dataclass
 class SpecStats:

@@ -45,6 +45,18 @@ def test_steps_are_counted_by_phase_and_the_engine_is_restored():
         ops.count_step_ops(engine, PROMPTS, GREEDY, 0, 1)
 
 
+@pytest.mark.parametrize("policy, k", [("none", None), ("fixed", 3)])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_step_reads_as_many_scalars_back_for_four_requests_as_for_one(policy, k, temperature):
+    """Each scalar a step reads back to Python is a sync on a GPU; the verifier's outcome and
+    the drafts' confidences are read as one copy per step, not a few scalars per request (a
+    step of 16 requests read 54 before)."""
+    params = SamplingParams(temperature=temperature, max_new_tokens=12, seed=1)
+    reads = {c: [r.host_reads() for r in ops.count_step_ops(_engine(policy, k), PROMPTS, params, c, 5, warmup=1)]
+             for c in (1, 4)}
+    assert reads[4] == reads[1] and max(reads[1]) <= 12, reads
+
+
 def test_one_attention_call_takes_fewer_ops_when_query_lengths_differ():
     """Requests verifying drafts beside one still in its prompt (different query lengths):
     the GPU layout attends in one call, the CPU one in a call per length."""

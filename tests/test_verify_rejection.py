@@ -65,6 +65,7 @@ def test_fast_path_makes_the_reference_decisions(point_mass):
         result = verify_with_uniforms(proposal, logits, lens, SamplingTensors.from_params(params), uniforms)
         committed = [result.committed(r) for r in range(12)]
         assert committed == _reference(proposal, logits, lens, params, uniforms), seed
+        assert result.on_host() == ([len(c) - 1 for c in committed], committed), seed  # the engine's one copy
 
 
 def test_verify_draws_from_each_generator_in_a_fixed_order():

@@ -11,7 +11,9 @@ them) like `dspark.bench.steps`: greedy, a closed loop of CONCURRENCY requests o
 evaluation prompts, and counts each of STEPS steps' ops in the target forward, the drafter's
 `propose` and `observe`, and the rest of the step. `gpu` lays attention out as a GPU does
 (`dspark.bench.layouts.runtime_layouts`). Prints, for plain and drafting steps apart,
-the median counts and the most frequent ops.
+the median counts and the most frequent ops, and the scalars a step reads back to Python
+(host reads): on a GPU each waits for the work queued before it, so a step with one per
+request stalls once per request instead of once.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from torch.utils._python_dispatch import TorchDispatchMode
 
 PHASES = ("forward", "propose", "observe")
+HOST_READ = "aten._local_scalar_dense"  # what int(), float(), bool() and .item() of a tensor dispatch
 
 
 class _PhaseCounter(TorchDispatchMode):
@@ -51,6 +54,12 @@ class StepOps:
     def count(self, phase: str | None = None) -> int:
         phases = self.ops.values() if phase is None else [self.ops.get(phase, Counter())]
         return sum(sum(c.values()) for c in phases)
+
+    def host_reads(self) -> int:
+        """Scalars read back to Python (`int(t)`, `float(t)`, `bool(t)`, `t.item()`), every phase:
+        each is a sync on a GPU when `t` lives there. (`t.tolist()` of a CPU tensor is no op, so
+        a copy read as one list is not counted.)"""
+        return sum(c.get(HOST_READ, 0) for c in self.ops.values())
 
 
 @contextlib.contextmanager
@@ -116,12 +125,14 @@ def count_step_ops(engine, prompts: Sequence[list[int]], params, concurrency: in
 
 def summarise_ops(records: Sequence[StepOps], top: int = 8) -> str:
     """Median ops per step, plain and drafting steps apart, with the most frequent ops."""
-    lines = ["| steps | n | ops per step | forward | propose | observe | rest |", "|---|---|---|---|---|---|---|"]
+    lines = ["| steps | n | ops per step | forward | propose | observe | rest | host reads |",
+             "|---|---|---|---|---|---|---|---|"]
     details = []
     for label, group in (("plain", [r for r in records if not r.drafted]), ("drafting", [r for r in records if r.drafted])):
         if not group:
             continue
         cells = [statistics.median(r.count(p) for r in group) for p in (None, *PHASES, "rest")]
+        cells.append(statistics.median(r.host_reads() for r in group))
         lines.append(f"| {label} | {len(group)} | " + " | ".join(f"{c:.0f}" for c in cells) + " |")
         for phase in (*PHASES, "rest"):
             total = Counter()

@@ -121,6 +121,7 @@ class ChainDrafter(DraftVocabMixin, nn.Module, TrainableDrafter):
         if r == 0:
             return empty_proposal(0, g)
         temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
+        any_greedy = any(p.temperature == 0 for p in params)  # known on the host: no read per step
         uniforms = draw_uniforms(generators, g, self.device)
         starts = torch.tensor([s.num_context for s in states], device=self.device)
         for s in states:
@@ -153,7 +154,7 @@ class ChainDrafter(DraftVocabMixin, nn.Module, TrainableDrafter):
                 return torch.cat(outs)
 
             hidden = self._step(hidden, tokens[:, None], (starts + k)[:, None], attend_fn)
-            p_k = temperature_probs(self.head_logits(self.norm(hidden[:, 0])), temperatures)
+            p_k = temperature_probs(self.head_logits(self.norm(hidden[:, 0])), temperatures, any_greedy)
             local = inverse_cdf(p_k, uniforms[:, k])
             tokens = self.draft_token_ids(local)
             draft_tokens[:, k], probs[:, k] = local, p_k

@@ -23,13 +23,19 @@ def draw_uniforms(generators: list[torch.Generator], count: int, device: torch.d
     return torch.stack(rows).to(device)
 
 
-def temperature_probs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+def temperature_probs(logits: torch.Tensor, temperatures: torch.Tensor,
+                      any_greedy: bool | None = None) -> torch.Tensor:
     """logits [R, V] float32, temperatures [R] -> probabilities [R, V] float32:
-    softmax(logits / T), or a one-hot at the argmax where T == 0 (greedy)."""
+    softmax(logits / T), or a one-hot at the argmax where T == 0 (greedy).
+
+    any_greedy: whether some T is 0, when the caller knows it. Reading it from `temperatures`
+    is a host read, on a GPU a sync; a loop over draft positions asks it once."""
     greedy = temperatures == 0
     safe_t = torch.where(greedy, torch.ones_like(temperatures), temperatures)
     probs = torch.softmax(logits / safe_t[:, None], dim=-1)
-    if bool(greedy.any()):
+    if any_greedy is None:
+        any_greedy = bool(greedy.any())
+    if any_greedy:
         onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], onehot, probs)
     return probs
@@ -93,16 +99,18 @@ def sample_sequential(
     probs = base_logits.new_empty(r, g, v) if candidates is None else base_logits.new_zeros(r, g, v)
     local = torch.empty(r, g, dtype=torch.int64, device=base_logits.device)
     state = head.start_state(r)
+    any_greedy = bool((temperatures == 0).any())  # one host read for the whole block, not one per position
     prev = anchors  # token ids: the head's W1 is indexed by the target's vocabulary
     for k in range(g):
         latent, state = head.step(state, prev, hidden[:, k])
         if candidates is None:
-            p_k = temperature_probs(base_logits[:, k] + head.bias(latent, w2_rows), temperatures)
+            p_k = temperature_probs(base_logits[:, k] + head.bias(latent, w2_rows), temperatures, any_greedy)
             idx = inverse_cdf(p_k, uniforms[:, k])
             probs[:, k] = p_k
         else:
             cand_k = candidates[:, k]
-            p_k = temperature_probs(cand_logits[:, k] + head.candidate_bias(latent, cand_k, w2_rows), temperatures)
+            p_k = temperature_probs(cand_logits[:, k] + head.candidate_bias(latent, cand_k, w2_rows), temperatures,
+                                    any_greedy)
             idx = cand_k.gather(1, inverse_cdf(p_k, uniforms[:, k])[:, None]).squeeze(1)
             probs[:, k].scatter_(-1, cand_k, p_k)
         local[:, k] = idx

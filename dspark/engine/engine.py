@@ -176,11 +176,10 @@ class Engine:
             [r.draft_state for r in drafting], anchors, [r.params for r in drafting],
             [r.generator for r in drafting],
         )
-        # never draft past the request's token or context limit
-        for i, req in enumerate(drafting):
-            room = min(req.remaining_tokens - 1, self.max_seq_len - len(req.all_ids))
-            if int(proposal.num_drafted[i]) > room:
-                proposal.num_drafted[i] = max(room, 0)
+        # never draft past the request's token or context limit (one tensor op, no host read)
+        room = torch.tensor([max(min(r.remaining_tokens - 1, self.max_seq_len - len(r.all_ids)), 0) for r in drafting],
+                            dtype=proposal.num_drafted.dtype, device=proposal.num_drafted.device)
+        proposal.num_drafted = torch.minimum(proposal.num_drafted, room)
         if len(rows) < len(decoding):
             self.num_partial_drafts += 1  # the others decode plainly this step
             return proposal, rows
@@ -239,22 +238,24 @@ class Engine:
     def _commit(self, plan: StepPlan, batch: StepBatch, result, hidden) -> list[StepOutput]:
         states, tokens, taps, outcomes = [], [], [], []
         to_append: list[tuple[Request, list[int]]] = []
+        # the verifier's outcome and the drafts' confidences read once for the whole step
+        accepted, committed_rows = result.on_host() if result is not None else ([], [])
+        predictions = self._predictions(batch)
         for seg in batch.segments:
             req = seg.request
             if seg.kind == "prefill":
                 observed = req.all_ids[seg.start_pos : seg.start_pos + seg.length]
                 req.num_computed += seg.length
                 if seg.entry_index is not None:  # prompt done: its last row sampled a first token
-                    to_append.append((req, result.committed(seg.entry_index)))
+                    to_append.append((req, committed_rows[seg.entry_index]))
             else:
                 e = seg.entry_index
-                num_accepted = int(result.num_accepted[e])
-                committed = result.committed(e)
+                num_accepted, committed = accepted[e], committed_rows[e]
                 kept = num_accepted + 1  # the anchor and the accepted drafts keep their KV
                 self.kv.truncate(req.slot, seg.start_pos + kept)
                 req.num_computed = seg.start_pos + kept
                 observed = [req.anchor] + committed[:num_accepted]
-                req.stats.record(seg.verify_len, num_accepted, self._predicted(batch, e, seg.verify_len))
+                req.stats.record(seg.verify_len, num_accepted, predictions(e, seg.verify_len))
                 outcomes.append(ScheduleOutcome(req.request_id, seg.verify_len, num_accepted))
                 to_append.append((req, committed))
             states.append(req.draft_state)
@@ -267,11 +268,14 @@ class Engine:
         return [self._append(req, committed) for req, committed in to_append]
 
     @staticmethod
-    def _predicted(batch: StepBatch, entry: int, verify_len: int) -> float | None:
+    def _predictions(batch: StepBatch):
+        """entry, verify_len -> the accepted drafts the confidences predicted (None: nothing
+        drafted, no prediction to compare), from one host copy of the step's confidences."""
         conf = batch.proposal.confidences
-        if conf is None or int(batch.proposal.num_drafted[entry]) == 0:
-            return None  # nothing drafted: no prediction to compare
-        return expected_accepted([float(c) for c in conf[entry]], verify_len)
+        if conf is None:
+            return lambda entry, verify_len: None
+        conf, drafted = conf.tolist(), batch.proposal.num_drafted.tolist()
+        return lambda entry, verify_len: expected_accepted(conf[entry], verify_len) if drafted[entry] else None
 
     # ------------------------------------------------------------- helpers
     def _append(self, req: Request, committed: list[int]) -> StepOutput:
