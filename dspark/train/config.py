@@ -50,6 +50,10 @@ class DrafterSection:
     # the loss is the exact TV of the restricted draft distribution, and the drafter ships with
     # draft_vocab_size = K. 0 = the whole vocabulary.
     draft_vocab_size: int = 0
+    # where DSpark's Markov transition starts: "random" (N(0, 0.02), as every other weight) or
+    # "pmi" (the rank-r factorisation of the training answers' adjacent-token PMI among the
+    # draft vocabulary's tokens, or the 8192 most frequent; dspark.train.markov_init)
+    markov_init: str = "random"
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,7 @@ class TrainConfig:
 
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3", "mtp")
 FEATURE_MODES = ("online", "cache")
+MARKOV_INITS = ("random", "pmi")
 
 # (section, field) -> (low, high, inclusive-low); None = unbounded on that side.
 _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
@@ -164,6 +169,13 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.drafter.init_from_target_layers and cfg.drafter.kind not in ("dspark", "dflash"):
         raise UserError(f"[drafter] init_from_target_layers works for dspark and dflash drafters only (their "
                         f"decoder layers have the target's shape); remove it for kind = {cfg.drafter.kind!r}")
+    if cfg.drafter.markov_init not in MARKOV_INITS:
+        raise UserError(f"[drafter] markov_init = {cfg.drafter.markov_init!r} is unknown; use one of "
+                        f"{', '.join(MARKOV_INITS)}")
+    if cfg.drafter.markov_init != "random" and (
+            cfg.drafter.kind != "dspark" or cfg.drafter.options.get("markov_head_type", "vanilla") == "none"):
+        raise UserError(f"[drafter] markov_init = {cfg.drafter.markov_init!r} starts DSpark's Markov head; "
+                        "it needs kind = \"dspark\" with a Markov head (markov_head_type other than \"none\")")
     if cfg.drafter.block_size + 2 > cfg.data.max_seq_len:
         raise UserError("[data] max_seq_len must exceed [drafter] block_size + 1")
 

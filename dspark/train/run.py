@@ -180,6 +180,15 @@ def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int
     train, heldout = store.split(cfg.data.holdout_fraction)
     ranking = rank_tokens(count_answer_tokens(store, train, target.config.vocab_size))
     drafter = build_recipe_drafter(cfg, target, model, ranking, info.device)
+    if cfg.drafter.markov_init == "pmi":  # every rank computes the same start (a checkpoint, if any, replaces it)
+        from dspark.train.markov_init import pmi_init
+
+        started = pmi_init(drafter.markov_head, store, train, ranking, cfg.drafter.draft_vocab_size or 8192,
+                           seed=cfg.run.seed, max_len=cfg.data.max_seq_len)
+        if info.rank == 0:
+            print(f"dspark train: Markov head started from the answers' PMI: {started['pairs']} adjacent pairs "
+                  f"among {started['tokens']} tokens, rank {drafter.markov_head.rank} keeps "
+                  f"{100 * started['energy_kept']:.0f} % of it")
     out_dir = Path(cfg.run.out_dir)
     if info.rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,121 @@
+"""DSpark's Markov head started from the answers' adjacent-token PMI ([drafter] markov_init =
+"pmi", dspark.train.markov_init): the counts, the shrunk PMI, the factorisation, the rows it
+writes, the recipe key, and a tiny run that starts there."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dspark.draft.heads import MarkovHead
+from dspark.errors import UserError
+from dspark.train.config import config_from_dict
+from dspark.train.data import SequenceStore, TrainRecord, write_meta, write_shard
+from dspark.train.markov_init import low_rank, pair_counts, pmi_init, shrunk_pmi
+
+
+def _store(tmp_path, records):
+    write_shard(tmp_path, [TrainRecord(f"r{i}", "chat", ids, mask) for i, (ids, mask) in enumerate(records)])
+    write_meta(tmp_path, {"target": "tiny", "vocab_size": 16})
+    return SequenceStore(tmp_path)
+
+
+def test_pairs_are_counted_inside_the_answer_among_the_chosen_tokens(tmp_path):
+    store = _store(tmp_path, [
+        ([9, 1, 2, 1, 2, 3], [0, 1, 1, 1, 1, 1]),  # 9 -> 1 crosses into the answer: not counted
+        ([1, 2, 5, 2, 1], [1, 1, 1, 1, 0]),  # 2 -> 1 ends outside the mask; 5 is not a chosen token
+    ])
+    tokens = torch.tensor([1, 2, 3])  # local indices 0, 1, 2
+    counts = pair_counts(store, [0, 1], tokens)
+    expected = torch.zeros(3, 3, dtype=torch.float64)
+    expected[0, 1] = 3  # (1, 2) twice in the first record, once in the second
+    expected[1, 0] = 1  # (2, 1) in the first
+    expected[1, 2] = 1  # (2, 3)
+    assert torch.equal(counts, expected)
+    assert torch.equal(pair_counts(store, [1], tokens)[0, 1], torch.tensor(1.0, dtype=torch.float64))
+
+
+def test_shrunk_pmi_of_seen_pairs_and_zero_for_the_rest():
+    counts = torch.tensor([[4.0, 0.0], [1.0, 5.0]], dtype=torch.float64)
+    pmi = shrunk_pmi(counts, shrink=1.0)
+    total, left, right = 10.0, [4.0, 6.0], [5.0, 5.0]
+    for x, y in ((0, 0), (1, 0), (1, 1)):
+        n = float(counts[x, y])
+        want = math.log(n * total / (left[x] * right[y])) * n / (n + 1.0)
+        assert float(pmi[x, y]) == pytest.approx(want, rel=1e-6)
+    assert float(pmi[0, 1]) == 0.0
+    with pytest.raises(ValueError, match="no adjacent"):
+        shrunk_pmi(torch.zeros(2, 2, dtype=torch.float64))
+
+
+def test_low_rank_recovers_a_matrix_of_that_rank():
+    gen = torch.Generator().manual_seed(0)
+    m = torch.randn(40, 3, generator=gen) @ torch.randn(3, 40, generator=gen)
+    a, b, s = low_rank(m, 3)
+    assert a.shape == (40, 3) and b.shape == (40, 3)
+    assert torch.allclose(a @ b.T, m, atol=1e-4)
+    a2, b2, s2 = low_rank(m, 2)
+    assert float((s2 ** 2).sum()) < float((m ** 2).sum())  # rank 2 keeps less than all
+
+
+def test_pmi_init_writes_the_factorised_pmi_into_the_chosen_rows(tmp_path):
+    """Answers where 1 is always followed by 2 and 3 by 4: the started head boosts 2 after 1
+    and 4 after 3, and leaves the rows of tokens outside the chosen ones as they were."""
+    records = [([0] + [1, 2, 3, 4] * 6, [0] + [1] * 24) for _ in range(4)]
+    store = _store(tmp_path, records)
+    torch.manual_seed(0)
+    head = MarkovHead(16, 4, 8)
+    before = head.markov_w1.weight.detach().clone()
+    ranking = torch.tensor([1, 2, 3, 4] + list(range(5, 16)) + [0])
+    info = pmi_init(head, store, [0, 1, 2, 3], ranking, 4, shrink=0.0)
+    assert info["tokens"] == 4 and info["pairs"] == 4 * 23 and info["energy_kept"] == pytest.approx(1.0, abs=1e-4)
+
+    def bias(x):
+        return (head.markov_w2.weight[:5] @ head.markov_w1.weight[x]).detach()
+
+    assert int(bias(1)[1:5].argmax()) + 1 == 2 and int(bias(3)[1:5].argmax()) + 1 == 4
+    assert float(bias(1)[2]) == pytest.approx(math.log(92 / 24), rel=1e-3)  # 24 of 92 pairs, every 1 before a 2
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[1:5] = False
+    assert torch.equal(head.markov_w1.weight[untouched], before[untouched])
+
+
+def test_the_recipe_key_and_its_refusals():
+    assert config_from_dict({}).drafter.markov_init == "random"
+    assert config_from_dict({"drafter": {"markov_init": "pmi"}}).drafter.markov_init == "pmi"
+    with pytest.raises(UserError, match="markov_init = 'svd' is unknown"):
+        config_from_dict({"drafter": {"markov_init": "svd"}})
+    with pytest.raises(UserError, match="needs kind = \"dspark\" with a Markov head"):
+        config_from_dict({"drafter": {"kind": "eagle3", "markov_init": "pmi"}})
+    with pytest.raises(UserError, match="needs kind = \"dspark\" with a Markov head"):
+        config_from_dict({"drafter": {"markov_init": "pmi", "options": {"markov_head_type": "none", "markov_rank": 0}}})
+
+
+def test_a_run_started_from_the_pmi(tmp_path):
+    """A tiny recipe with markov_init = "pmi" trains from the PMI start: after two small steps
+    the Markov rows of the draft vocabulary are far from N(0, 0.02), where the same recipe
+    started at random stays; the rows outside it are zero, as in any draft-vocabulary run."""
+    from test_train_run import _recipe
+
+    from dspark.draft.checkpoint import load_drafter_folder
+    from dspark.models.loading import load_target
+    from dspark.models.tiny import tiny_hf_folder
+    from dspark.train.run import run_train
+
+    recipe = _recipe(tmp_path, "dspark", steps=2)
+    spread = {}
+    for init in ("random", "pmi"):
+        cfg = json.loads(recipe.read_text())
+        cfg["drafter"].update(markov_init=init, draft_vocab_size=24)
+        cfg["run"]["out_dir"] = str(tmp_path / f"run-{init}")
+        path = tmp_path / f"{init}.json"
+        path.write_text(json.dumps(cfg))
+        final = run_train(path)
+        drafter = load_drafter_folder(final, load_target(str(tiny_hf_folder(tmp_path))).model)
+        w1 = drafter.markov_head.markov_w1.weight.detach().float()
+        spread[init] = float(w1[drafter.draft_ids].std())
+    assert spread["random"] < 0.05 < 0.2 < spread["pmi"], spread
