@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,9 +97,10 @@ def test_the_recipe_key_and_its_refusals():
 
 
 def test_a_run_started_from_the_pmi(tmp_path):
-    """A tiny recipe with markov_init = "pmi" trains from the PMI start: after two small steps
+    """A tiny recipe with markov_init = "pmi" trains from the PMI start: after a few small steps
     the Markov rows of the draft vocabulary are far from N(0, 0.02), where the same recipe
-    started at random stays; the rows outside it are zero, as in any draft-vocabulary run."""
+    started at random stays; and a run stopped and resumed (which does not recompute the
+    start: its checkpoint holds the weights) ends exactly where an uninterrupted one does."""
     from test_train_run import _recipe
 
     from dspark.draft.checkpoint import load_drafter_folder
@@ -106,16 +108,24 @@ def test_a_run_started_from_the_pmi(tmp_path):
     from dspark.models.tiny import tiny_hf_folder
     from dspark.train.run import run_train
 
-    recipe = _recipe(tmp_path, "dspark", steps=2)
-    spread = {}
-    for init in ("random", "pmi"):
+    recipe = _recipe(tmp_path, "dspark", steps=4)
+    model = load_target(str(tiny_hf_folder(tmp_path))).model
+
+    def recipe_for(init: str, out: str) -> Path:
         cfg = json.loads(recipe.read_text())
         cfg["drafter"].update(markov_init=init, draft_vocab_size=24)
-        cfg["run"]["out_dir"] = str(tmp_path / f"run-{init}")
-        path = tmp_path / f"{init}.json"
+        cfg["run"]["out_dir"] = str(tmp_path / out)
+        path = tmp_path / f"{out}.json"
         path.write_text(json.dumps(cfg))
-        final = run_train(path)
-        drafter = load_drafter_folder(final, load_target(str(tiny_hf_folder(tmp_path))).model)
-        w1 = drafter.markov_head.markov_w1.weight.detach().float()
-        spread[init] = float(w1[drafter.draft_ids].std())
+        return path
+
+    drafters = {init: load_drafter_folder(run_train(recipe_for(init, init)), model) for init in ("random", "pmi")}
+    spread = {init: float(d.markov_head.markov_w1.weight.detach()[d.draft_ids].float().std())
+              for init, d in drafters.items()}
     assert spread["random"] < 0.05 < 0.2 < spread["pmi"], spread
+
+    stopped = recipe_for("pmi", "pmi-stopped")
+    run_train(stopped, stop_at_step=2)
+    resumed = load_drafter_folder(run_train(stopped), model).state_dict()
+    for name, value in drafters["pmi"].state_dict().items():
+        assert torch.equal(value, resumed[name]), name

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from dspark.errors import UserError
 from dspark.models.device import resolve_device
+from dspark.train import checkpoint as ckpt
 from dspark.train.anchors import make_batch, sample_seed
 from dspark.train.calibrate import DEFAULT_BINS, plot_reliability, position_metrics, sts_fit
 from dspark.train.config import TrainConfig, load_config
@@ -180,7 +181,8 @@ def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int
     train, heldout = store.split(cfg.data.holdout_fraction)
     ranking = rank_tokens(count_answer_tokens(store, train, target.config.vocab_size))
     drafter = build_recipe_drafter(cfg, target, model, ranking, info.device)
-    if cfg.drafter.markov_init == "pmi":  # every rank computes the same start (a checkpoint, if any, replaces it)
+    resuming = resume and ckpt.latest_checkpoint(Path(cfg.run.out_dir)) is not None
+    if cfg.drafter.markov_init == "pmi" and not resuming:  # every rank computes the same start
         from dspark.train.markov_init import pmi_init
 
         started = pmi_init(drafter.markov_head, store, train, ranking, cfg.drafter.draft_vocab_size or 8192,
