@@ -127,6 +127,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--top-p", type=float, default=1.0, help="offline: top-p of the target's answers")
     e.add_argument("--answers", default="runs/bench-answers", help="offline: folder caching the target's answers")
     e.add_argument("--no-heldout", action="store_true", help="offline: skip the held-out training prompts")
+    e.add_argument("--against", action="append", default=None, metavar="PAGE.json[:LABEL]",
+                   help="offline: pair with drafters an earlier run scored, read from its JSON (repeatable)")
     e.add_argument("report", nargs="?", help="'report': rebuild docs/RESULTS.md and figures from saved runs; "
                    "'offline': expected tau of drafters on the target's own answers (no draws)")
     _add_target_args(e)
@@ -328,7 +330,7 @@ def cmd_eval(args) -> int:
             args.drafter, args.bench, limit=12 if args.limit is None else args.limit, temperature=args.temperature,
             top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, heldout=not args.no_heldout,
             target=args.target, home=args.home, device=args.device, answers_root=args.answers,
-            results_dir=args.results or "runs/offline",
+            results_dir=args.results or "runs/offline", against=args.against,
         )
         print(page.read_text())
         print(f"written: {page} (and .json, .png)")

@@ -3,7 +3,9 @@
 The batched all-anchor scorer matches a one-block-at-a-time recomputation
 (draft vocabulary included); answers and scores are cached and reused, a
 higher --limit generates only the new prompts; two copies of one drafter are
-paired at exactly 1x; bad input is refused before any model work."""
+paired at exactly 1x; scores read back from an earlier page (--against) pair as
+when scored together, and only when the answers are the same; bad input is
+refused before any model work."""
 
 from __future__ import annotations
 
@@ -163,7 +165,70 @@ def test_cli_offline_errors_name_the_fix(capsys):
 
     for argv, needle in ((["eval", "offline", "--drafter", "ngram"], "none and ngram have no distribution"),
                          (["eval", "offline", "--drafter", "default", "--temperature", "0"], "temperature must be > 0"),
-                         (["eval", "offlin"], "use 'dspark eval report' or 'dspark eval offline'")):
+                         (["eval", "offlin"], "use 'dspark eval report' or 'dspark eval offline'"),
+                         (["eval", "offline", "--drafter", "default", "--against", "gone.json:eagle3"], "no such file")):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and needle in err[0], err
+
+
+def _against(tmp_path, spec, against):
+    return run_offline(spec, "gsm8k,mt-bench", limit=1, max_new_tokens=12, answers_root=tmp_path / "ans",
+                       results_dir=tmp_path / "out2", progress=False, against=against)
+
+
+def test_against_pairs_with_stored_scores_of_the_same_answers(tiny_world):
+    tmp_path, specs = tiny_world
+    first, page = _run(tmp_path, specs)
+    stored = page.with_suffix(".json")
+    digests = json.loads(stored.read_text())["answer_digests"]
+    assert sorted(digests) == ["gsm8k/gsm8k-0000", "heldout/" + next(iter(first.drafters[0].per_prompt["heldout"])),
+                               "mt-bench/mt-bench-0000"]
+    shutil.rmtree(specs[2])  # the Eagle3 checkpoint is gone; its scores are read back
+    run, page2 = _against(tmp_path, specs[0], [f"{stored}:eagle3-c", f"{stored}:dspark-b"])
+    a, c, b = run.drafters
+    assert (c.label, b.label) == ("eagle3-c (stored)", "dspark-b (stored)")
+    assert c.per_prompt == first.drafters[2].per_prompt and a.per_prompt == first.drafters[0].per_prompt
+    text = page2.read_text()
+    assert text.count("the same answers (digests checked)") == 2
+    assert "/ dspark-b (stored): benchmarks 1.000x (1.000-1.000)" in text
+    before = offline.offline_table(first).split("/ eagle3-c: benchmarks ")[1].split(";")[0]
+    assert f"/ eagle3-c (stored): benchmarks {before}" in text  # the same pairing as when both were scored together
+    whole, _ = _against(tmp_path, specs[0], [str(stored)])  # no label: every drafter of the page
+    assert [d.label for d in whole.drafters[1:]] == ["dspark-a (stored)", "dspark-b (stored)", "eagle3-c (stored)"]
+    again = OfflineRun.from_dict(json.loads(page2.with_suffix(".json").read_text()))
+    assert again.drafters[1].note == c.note and again.digests == run.digests
+
+
+def test_against_refuses_other_answers_settings_labels_and_prompts(tiny_world, monkeypatch):
+    tmp_path, specs = tiny_world
+    _, page = _run(tmp_path, specs)
+    stored = page.with_suffix(".json")
+    data = json.loads(stored.read_text())
+
+    def variant(name, change):
+        copy = json.loads(json.dumps(data))
+        change(copy)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(copy))
+        return str(path)
+
+    with pytest.raises(UserError, match="no drafter labelled 'eagle9' .* it holds dspark-a, dspark-b, eagle3-c"):
+        _against(tmp_path, specs[0], [f"{stored}:eagle9"])
+    hot = variant("hot", lambda d: d["settings"].update(temperature=0.7))
+    with pytest.raises(UserError, match="scored with temperature = 0.7, this run with 1.0"):
+        _against(tmp_path, specs[0], [hot])
+    other = variant("other", lambda d: d["answer_digests"].update({"gsm8k/gsm8k-0000": "0" * 16}))
+    with pytest.raises(UserError, match=r"1 of this run's 3 answers are not the ones .* \(e.g. gsm8k/gsm8k-0000\)"):
+        _against(tmp_path, specs[0], [other])
+    short = variant("short", lambda d: d["drafters"][2]["per_prompt"]["mt-bench"].clear())
+    with pytest.raises(UserError, match="eagle3-c in .* has no score for 1 of this run's prompts .*mt-bench/mt-bench-0000"):
+        _against(tmp_path, specs[0], [f"{short}:eagle3-c"])
+    old = variant("old", lambda d: d.pop("answer_digests"))  # a page from before digests: read, and said so
+    run, page2 = _against(tmp_path, specs[0], [f"{old}:eagle3-c"])
+    assert "answers not checked (the page predates answer digests)" in page2.read_text()
+    monkeypatch.setattr(dspark.models, "load_target", lambda *a, **k: pytest.fail("target loaded"), raising=False)
+    with pytest.raises(UserError, match="no such file"):
+        _against(tmp_path, specs[0], [str(tmp_path / "nope.json")])
+    with pytest.raises(UserError, match="give the .json"):
+        _against(tmp_path, specs[0], [str(page)])

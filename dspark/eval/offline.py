@@ -21,7 +21,10 @@ training measures on its held-out data instead, on the benchmark prompts:
 
 All drafters see the same answers and nothing is drawn, so their difference
 is their distributions, not luck; paired bootstrap intervals over prompts
-give what is left (which prompts were chosen). A `heldout` set (the
+give what is left (which prompts were chosen). `--against PAGE.json[:LABEL]`
+pairs with drafters an earlier run scored, read back from its JSON (their
+checkpoints need not exist); every page records a hash of each answer so the
+read-back is refused unless the answers are the same. A `heldout` set (the
 held-out prompts of the shipped training file, as the training recipes split
 them) answered with the same settings separates a shift in prompts from a
 shift in the answers' sampling temperature.
@@ -64,6 +67,7 @@ class DrafterScore:
     kind: str
     block_size: int
     per_prompt: dict[str, dict[str, Counts]]  # set name -> prompt id -> counts
+    note: str = ""  # stored scores (--against): the page they came from and whether its answers were checked
 
     def tau(self, name: str) -> float | None:
         rows = self.per_prompt.get(name, {}).values()
@@ -232,26 +236,102 @@ class OfflineRun:
     command: str
     drafters: list[DrafterScore]
     prompts: dict[str, int]  # set name -> prompts scored
+    digests: dict[str, str] = field(default_factory=dict)  # "set/prompt id" -> hash of the target's answer tokens
 
     def to_dict(self) -> dict:
         return {"settings": self.settings, "command": self.command, "prompts": self.prompts,
+                "answer_digests": self.digests,
                 "drafters": [{"label": d.label, "spec": d.spec, "kind": d.kind, "block_size": d.block_size,
+                              **({"note": d.note} if d.note else {}),
                               "per_prompt": {n: {i: asdict(c) for i, c in rows.items()} for n, rows in d.per_prompt.items()}}
                              for d in self.drafters]}
 
     @classmethod
     def from_dict(cls, data: dict) -> "OfflineRun":
         drafters = [DrafterScore(d["label"], d["spec"], d["kind"], d["block_size"],
-                                 {n: {i: Counts(**c) for i, c in rows.items()} for n, rows in d["per_prompt"].items()})
+                                 {n: {i: Counts(**c) for i, c in rows.items()} for n, rows in d["per_prompt"].items()},
+                                 d.get("note", ""))
                     for d in data["drafters"]]
-        return cls(data["settings"], data["command"], drafters, data["prompts"])
+        return cls(data["settings"], data["command"], drafters, data["prompts"], data.get("answer_digests", {}))
+
+
+def answer_digests(store, ids: list[str]) -> dict[str, str]:
+    """Prompt id -> a short hash of the target's answer (prompt and answer token ids), written into every page
+    so that scores read back from it (`--against`) are known to be of the same answers."""
+    import hashlib
+
+    where = {rid: i for i, rid in enumerate(store.ids)}
+    return {rid: hashlib.sha256(store.get(where[rid])[0].to(torch.int32).numpy().tobytes()).hexdigest()[:16]
+            for rid in ids}
+
+
+def against_page(spec: str) -> tuple[Path, str]:
+    """(page JSON, label or "") of an `--against` value, refused before any model work if it is not one."""
+    path, _, label = (spec, "", "") if Path(spec).is_file() else spec.partition(":")
+    page = Path(path)
+    if not page.is_file():
+        raise UserError(f"--against {spec!r}: no such file; give PAGE.json or PAGE.json:LABEL of an earlier run")
+    if page.suffix != ".json":
+        raise UserError(f"--against {spec!r}: give the .json of an earlier `dspark eval offline` run "
+                        "(PAGE.json or PAGE.json:LABEL), not its .md page")
+    return page, label
+
+
+SAME_SETTINGS = ("target", "temperature", "top_p", "max_new_tokens", "seed")
+
+
+def stored_scores(spec: str, settings: dict, wanted: dict[str, list[str]], digests: dict[str, str]) -> list[DrafterScore]:
+    """`--against PAGE.json[:LABEL]`: drafters scored by an earlier `dspark eval offline` run, read from its JSON
+    instead of being scored again (their checkpoints may be gone), so they pair with this run's drafters.
+
+    Refused unless the page was scored with the same target and sampling settings and holds every prompt of
+    this run; where the page has answer digests, each prompt's must equal this run's (the same answers).
+    Pages written before digests existed are read with their answers unchecked, and the page says so."""
+    page, label = against_page(spec)
+    try:
+        stored = OfflineRun.from_dict(json.loads(page.read_text()))
+    except (ValueError, KeyError, TypeError) as err:
+        raise UserError(f"--against {spec!r}: {page} is not an offline run's JSON ({err!r})") from None
+    for key in SAME_SETTINGS:
+        if stored.settings.get(key) != settings.get(key):
+            raise UserError(f"--against {spec!r}: that page was scored with {key} = {stored.settings.get(key)!r}, this "
+                            f"run with {settings.get(key)!r}; pair only runs of the same answers (rerun with its settings)")
+    labels = [d.label for d in stored.drafters]
+    chosen = [d for d in stored.drafters if not label or d.label == label]
+    if not chosen:
+        raise UserError(f"--against {spec!r}: no drafter labelled {label!r} in {page}; it holds {', '.join(labels)}")
+    checked = bool(stored.digests)
+    if checked:
+        differ = [rid for rid, h in digests.items() if stored.digests.get(rid, h) != h]
+        absent = [rid for rid in digests if rid not in stored.digests]
+        if differ or absent:
+            raise UserError(f"--against {spec!r}: {len(differ) + len(absent)} of this run's {len(digests)} answers are not "
+                            f"the ones {page} scored (e.g. {(differ + absent)[0]}); the answers folder was regenerated "
+                            "differently, so score those drafters again instead of reading them back")
+    note = (f"stored scores from `{page}`, " + ("the same answers (digests checked)" if checked
+            else "answers not checked (the page predates answer digests)"))
+    out = []
+    for d in chosen:
+        rows = {}
+        for name, ids in wanted.items():
+            have = d.per_prompt.get(name, {})
+            short = [rid.split("/", 1)[1] for rid in ids]
+            missing = [f"{name}/{i}" for i in short if i not in have]
+            if missing:
+                raise UserError(f"--against {spec!r}: {d.label} in {page} has no score for {len(missing)} of this run's "
+                                f"prompts (e.g. {missing[0]}); use the page's --limit and --bench (and --no-heldout "
+                                "if it has no held-out set), or score the drafter again")
+            rows[name] = {i: have[i] for i in short}
+        out.append(DrafterScore(d.label if d.label.endswith("(stored)") else f"{d.label} (stored)",
+                                f"{page}:{d.label}", d.kind, d.block_size, rows, note))
+    return out
 
 
 def run_offline(
     drafters: str, bench: str = "all", *, limit: int | None = 12, temperature: float = 1.0, top_p: float = 1.0,
     max_new_tokens: int = 128, seed: int = 0, heldout: bool = True, target: str | None = None,
     home: str | None = None, device: str = "cpu", answers_root: str | Path = "runs/bench-answers",
-    results_dir: str | Path = "runs/offline", progress: bool = True,
+    results_dir: str | Path = "runs/offline", progress: bool = True, against: list[str] | None = None,
 ) -> tuple[OfflineRun, Path]:
     """`dspark eval offline`: score drafters on cached target answers; writes JSON, a page and a figure."""
     from dspark.draft.registry import load_drafter
@@ -265,6 +345,8 @@ def run_offline(
     if max_new_tokens < 8:
         raise UserError(f"--max-new-tokens must be >= 8 so answers hold whole blocks, got {max_new_tokens}")
     specs = [s.strip() for s in drafters.split(",") if s.strip()]
+    for spec in against or []:  # a missing page is refused before any model work
+        against_page(spec)
     if not specs or any(s in ("none", "ngram") for s in specs):
         raise UserError("--drafter takes one or more drafter folders (or 'default'), comma-separated; "
                         "none and ngram have no distribution to score")
@@ -289,11 +371,15 @@ def run_offline(
     settings = {"benchmarks": [n for n in sets if n != HELDOUT], "heldout": heldout, "limit": limit,
                 "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, "seed": seed,
                 "target": loaded.name, "answers": str(folder)}
+    digests = answer_digests(store, [pid for ids in wanted.values() for pid in ids])
+    for spec in against or []:
+        scores += stored_scores(spec, settings, wanted, digests)
     command = (f"dspark eval offline --drafter {','.join(specs)} --bench {bench}"
                + (f" --limit {limit}" if limit is not None else "")
                + f" --temperature {temperature:g} --top-p {top_p:g} --max-new-tokens {max_new_tokens} --seed {seed}"
-               + ("" if heldout else " --no-heldout") + f" --results {results_dir}")
-    run = OfflineRun(settings, command, scores, {n: len(v) for n, v in wanted.items()})
+               + ("" if heldout else " --no-heldout") + "".join(f" --against {a}" for a in against or [])
+               + f" --results {results_dir}")
+    run = OfflineRun(settings, command, scores, {n: len(v) for n, v in wanted.items()}, digests)
     return run, write_offline(run, results_dir)
 
 
@@ -381,7 +467,8 @@ def write_offline(run: OfflineRun, results_dir: str | Path) -> Path:
         "of the cumulative product of c* = 1 - TV(p_draft, p_target), averaged over the blocks that lie wholly "
         "in an answer. Macro is the mean of the math, code and chat means over the benchmarks (the held-out "
         "column, answers to training-distribution prompts, is not in it).\n\n"
-        + "\n".join(f"- {d.label}: `{d.spec}` ({d.kind}, G = {d.block_size})" for d in run.drafters)
+        + "\n".join(f"- {d.label}: `{d.spec}` ({d.kind}, G = {d.block_size}" + (f"; {d.note}" if d.note else "") + ")"
+                    for d in run.drafters)
         + "\n\n" + offline_table(run)
         + f"\n\n![expected tau per benchmark]({png.name})\n"
     )
