@@ -129,6 +129,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--no-heldout", action="store_true", help="offline: skip the held-out training prompts")
     e.add_argument("--against", action="append", default=None, metavar="PAGE.json[:LABEL]",
                    help="offline: pair with drafters an earlier run scored, read from its JSON (repeatable)")
+    e.add_argument("--exclude", action="append", default=None, metavar="SET/ID[,SET/ID...]",
+                   help="offline: prompts left out of scoring, e.g. answers that differ from an --against page's")
     e.add_argument("report", nargs="?", help="'report': rebuild docs/RESULTS.md and figures from saved runs; "
                    "'offline': expected tau of drafters on the target's own answers (no draws)")
     _add_target_args(e)
@@ -330,7 +332,7 @@ def cmd_eval(args) -> int:
             args.drafter, args.bench, limit=12 if args.limit is None else args.limit, temperature=args.temperature,
             top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, heldout=not args.no_heldout,
             target=args.target, home=args.home, device=args.device, answers_root=args.answers,
-            results_dir=args.results or "runs/offline", against=args.against,
+            results_dir=args.results or "runs/offline", against=args.against, exclude=args.exclude,
         )
         print(page.read_text())
         print(f"written: {page} (and .json, .png)")

@@ -232,3 +232,43 @@ def test_against_refuses_other_answers_settings_labels_and_prompts(tiny_world, m
         _against(tmp_path, specs[0], [str(tmp_path / "nope.json")])
     with pytest.raises(UserError, match="give the .json"):
         _against(tmp_path, specs[0], [str(page)])
+
+
+def test_exclude_leaves_prompts_out_of_scoring_only(tiny_world):
+    tmp_path, specs = tiny_world
+    full, _ = _run(tmp_path, specs[:1])
+    gsm = "gsm8k/" + next(iter(full.drafters[0].per_prompt["gsm8k"]))
+    two, page = run_offline(specs[0], "gsm8k,mt-bench", limit=2, max_new_tokens=12, answers_root=tmp_path / "ans",
+                            results_dir=tmp_path / "out3", progress=False, exclude=[gsm])
+    assert two.prompts == {"gsm8k": 1, "mt-bench": 2, "heldout": 2}
+    assert gsm.split("/")[1] not in two.drafters[0].per_prompt["gsm8k"] and gsm not in two.digests
+    for pid, counts in full.drafters[0].per_prompt["mt-bench"].items():  # the kept answers are the same answers
+        assert two.drafters[0].per_prompt["mt-bench"][pid] == counts
+    assert f"left out with --exclude: {gsm}" in page.read_text() and f"--exclude {gsm}" in two.command
+    with pytest.raises(UserError, match="gsm8k/gsm8k-9999 is not a prompt of this run; give SET/ID"):
+        run_offline(specs[0], "gsm8k", limit=1, answers_root=tmp_path / "ans", results_dir=tmp_path / "out",
+                    exclude=["gsm8k/gsm8k-9999"])
+    with pytest.raises(UserError, match="leaves no prompt of gsm8k; leave it out with --bench"):
+        run_offline(specs[0], "gsm8k,mt-bench", limit=1, answers_root=tmp_path / "ans", results_dir=tmp_path / "out",
+                    exclude=[gsm])
+
+
+def test_same_answers_names_the_prompts_one_drafter_scored_differently(tiny_world, capsys):
+    from dspark.eval import same_answers
+
+    tmp_path, specs = tiny_world
+    _, page = _run(tmp_path, specs)
+    data = json.loads(page.with_suffix(".json").read_text())
+    data["drafters"][0]["per_prompt"]["mt-bench"]["mt-bench-0000"]["tau_sum"] += 0.5  # as if its answer had changed
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(data))
+    assert same_answers.main([f"{page.with_suffix('.json')}:dspark-a", f"{other}:dspark-a"]) == 0
+    out = capsys.readouterr().out
+    assert "3 prompts on both, 1 scored differently (mt-bench/mt-bench-0000)" in out
+    assert out.strip().endswith("--exclude mt-bench/mt-bench-0000")
+    assert same_answers.main([f"{page.with_suffix('.json')}:dspark-a", f"{other}:dspark-b"]) == 0  # b untouched
+    assert "0 scored differently" in capsys.readouterr().out
+    for argv, needle in (([f"{other}:dspark-a"], "usage"), ([f"{other}:nope", f"{other}:dspark-a"], "no drafter labelled 'nope'"),
+                         ([str(other), f"{other}:dspark-a"], "give PAGE.json:LABEL")):
+        assert same_answers.main(argv) == 2
+        assert needle in capsys.readouterr().err

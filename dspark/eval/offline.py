@@ -265,6 +265,21 @@ def answer_digests(store, ids: list[str]) -> dict[str, str]:
             for rid in ids}
 
 
+def excluded_ids(exclude: list[str] | None, sets: dict[str, list]) -> set[str]:
+    """`--exclude SET/ID,...`: prompts left out of scoring (say, answers that differ from a stored page's);
+    an id naming no prompt of this run, or leaving a set empty, is refused."""
+    ids = {i.strip() for item in exclude or [] for i in item.split(",") if i.strip()}
+    known = {p.id for prompts in sets.values() for p in prompts}
+    unknown = sorted(ids - known)
+    if unknown:
+        raise UserError(f"--exclude: {', '.join(unknown[:3])} {'is not a prompt' if len(unknown) == 1 else 'are not prompts'} "
+                        "of this run; give SET/ID as the pages name them (e.g. gsm8k/gsm8k-0003, heldout/alpaca-16878)")
+    for name, prompts in sets.items():
+        if prompts and all(p.id in ids for p in prompts):
+            raise UserError(f"--exclude leaves no prompt of {name}; leave it out with --bench instead")
+    return ids
+
+
 def against_page(spec: str) -> tuple[Path, str]:
     """(page JSON, label or "") of an `--against` value, refused before any model work if it is not one."""
     path, _, label = (spec, "", "") if Path(spec).is_file() else spec.partition(":")
@@ -306,8 +321,9 @@ def stored_scores(spec: str, settings: dict, wanted: dict[str, list[str]], diges
         absent = [rid for rid in digests if rid not in stored.digests]
         if differ or absent:
             raise UserError(f"--against {spec!r}: {len(differ) + len(absent)} of this run's {len(digests)} answers are not "
-                            f"the ones {page} scored (e.g. {(differ + absent)[0]}); the answers folder was regenerated "
-                            "differently, so score those drafters again instead of reading them back")
+                            f"the ones {page} scored (e.g. {(differ + absent)[0]}); the answers were regenerated "
+                            "differently: score those drafters again, or pair on the rest with --exclude "
+                            + ",".join(sorted(differ + absent)))
     note = (f"stored scores from `{page}`, " + ("the same answers (digests checked)" if checked
             else "answers not checked (the page predates answer digests)"))
     out = []
@@ -332,6 +348,7 @@ def run_offline(
     max_new_tokens: int = 128, seed: int = 0, heldout: bool = True, target: str | None = None,
     home: str | None = None, device: str = "cpu", answers_root: str | Path = "runs/bench-answers",
     results_dir: str | Path = "runs/offline", progress: bool = True, against: list[str] | None = None,
+    exclude: list[str] | None = None,
 ) -> tuple[OfflineRun, Path]:
     """`dspark eval offline`: score drafters on cached target answers; writes JSON, a page and a figure."""
     from dspark.draft.registry import load_drafter
@@ -351,13 +368,15 @@ def run_offline(
         raise UserError("--drafter takes one or more drafter folders (or 'default'), comma-separated; "
                         "none and ngram have no distribution to score")
     sets = _prompt_sets(bench, limit, heldout)  # every benchmark file validated before any model work
+    excluded = excluded_ids(exclude, sets)
     loaded = load_target(target, home=home, cpu_kernels=False, device=device)
     built = [(drafter_label(s), s, load_drafter(s, loaded.model, embedded=target is None)) for s in specs]
     params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens)
     folder = answers_folder(answers_root, params)
     store = ensure_answers(loaded, sets, folder, params, progress=progress)
     where = {rid: i for i, rid in enumerate(store.ids)}
-    wanted = {name: [p.id for p in prompts] for name, prompts in sets.items()}
+    # left-out prompts are still answered (the others' seeds stay as they were), just not scored
+    wanted = {name: [p.id for p in prompts if p.id not in excluded] for name, prompts in sets.items()}
     scores = []
     for label, spec, drafter in built:
         drafter.eval()
@@ -370,7 +389,7 @@ def run_offline(
         scores.append(DrafterScore(label, spec, drafter.name, int(drafter.block_size), per_prompt))
     settings = {"benchmarks": [n for n in sets if n != HELDOUT], "heldout": heldout, "limit": limit,
                 "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, "seed": seed,
-                "target": loaded.name, "answers": str(folder)}
+                "target": loaded.name, "answers": str(folder), **({"excluded": sorted(excluded)} if excluded else {})}
     digests = answer_digests(store, [pid for ids in wanted.values() for pid in ids])
     for spec in against or []:
         scores += stored_scores(spec, settings, wanted, digests)
@@ -378,6 +397,7 @@ def run_offline(
                + (f" --limit {limit}" if limit is not None else "")
                + f" --temperature {temperature:g} --top-p {top_p:g} --max-new-tokens {max_new_tokens} --seed {seed}"
                + ("" if heldout else " --no-heldout") + "".join(f" --against {a}" for a in against or [])
+               + (f" --exclude {','.join(sorted(excluded))}" if excluded else "")
                + f" --results {results_dir}")
     run = OfflineRun(settings, command, scores, {n: len(v) for n, v in wanted.items()}, digests)
     return run, write_offline(run, results_dir)
@@ -457,6 +477,8 @@ def write_offline(run: OfflineRun, results_dir: str | Path) -> Path:
     os.replace(tmp, data)
     png = plot_offline(run, folder / f"{stem}.png")
     prompts = ", ".join(f"{DISPLAY_NAMES.get(n, 'held-out')} {k}" for n, k in run.prompts.items())
+    if s.get("excluded"):
+        prompts += f"; left out with --exclude: {', '.join(s['excluded'])}"
     page = folder / f"{stem}.md"
     page.write_text(
         "# Expected acceptance length on the target's own answers\n\n"
