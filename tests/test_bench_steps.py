@@ -4,6 +4,8 @@ methods put back afterwards."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from dspark.bench.steps import StepRecord, summarise, trace_steps
@@ -108,6 +110,12 @@ def test_trace_marks_the_gates_probes_and_counts_what_was_verified():
     cost = SplitCost(ForwardGrid({2: CostTable({2: 0.01, 8: 0.02})}), CostTable({1: 0.001, 2: 0.002}))
     engine = Engine(target, NgramDrafter(block_size=3), make_policy("dspark", cost),
                     EngineConfig(max_running=2, max_seq_len=64))
+    observe = engine.policy.observe_step
+
+    def as_priced(timing):  # a busy machine's wall clock would steer the gate: tell it each step cost its price
+        observe(replace(timing, seconds=cost.seconds(timing.budget, timing.requests, drafted=timing.drafted)))
+
+    engine.policy.observe_step = as_priced
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 9, 10, 11]]
     records = trace_steps(engine, prompts, SamplingParams(temperature=0.0, max_new_tokens=6), 2, 8, progress=False)
     assert [r.probe for r in records[:2]] == [False, True] and records[1].drafted and records[1].verified == 1
