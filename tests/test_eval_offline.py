@@ -245,6 +245,9 @@ def test_exclude_leaves_prompts_out_of_scoring_only(tiny_world):
     for pid, counts in full.drafters[0].per_prompt["mt-bench"].items():  # the kept answers are the same answers
         assert two.drafters[0].per_prompt["mt-bench"][pid] == counts
     assert f"left out with --exclude: {gsm}" in page.read_text() and f"--exclude {gsm}" in two.command
+    _, whole = run_offline(specs[0], "gsm8k,mt-bench", limit=2, max_new_tokens=12, answers_root=tmp_path / "ans",
+                           results_dir=tmp_path / "out3", progress=False)
+    assert whole != page and f"left out with --exclude: {gsm}" in page.read_text()  # neither page overwrote the other
     with pytest.raises(UserError, match="gsm8k/gsm8k-9999 is not a prompt of this run; give SET/ID"):
         run_offline(specs[0], "gsm8k", limit=1, answers_root=tmp_path / "ans", results_dir=tmp_path / "out",
                     exclude=["gsm8k/gsm8k-9999"])

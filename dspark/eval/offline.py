@@ -469,7 +469,8 @@ def write_offline(run: OfflineRun, results_dir: str | Path) -> Path:
     folder = Path(results_dir)
     folder.mkdir(parents=True, exist_ok=True)
     s = run.settings
-    key = hashlib.sha256(",".join(d.spec for d in run.drafters).encode()).hexdigest()[:8]
+    named = ",".join(d.spec for d in run.drafters) + ("|" + ",".join(s["excluded"]) if s.get("excluded") else "")
+    key = hashlib.sha256(named.encode()).hexdigest()[:8]  # prompts left out: another page
     stem = f"offline-t{s['temperature']:g}-p{s['top_p']:g}-n{s['max_new_tokens']}-l{s['limit']}-{key}"
     data = folder / f"{stem}.json"
     tmp = data.with_suffix(".tmp")
