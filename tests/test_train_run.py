@@ -140,6 +140,25 @@ def test_killed_run_resumes_exactly_then_calibrates(tmp_path):
     assert sorted(reloaded.draft_ranking.tolist()) == list(range(target.config.vocab_size))
 
 
+def test_stop_at_step_checkpoints_where_it_stops_and_resumes_exactly(tmp_path):
+    """`dspark train --stop-at-step 3` with checkpoints every 2 steps keeps step 3 (not only step 2),
+    and the run resumed from it ends with the weights of an uninterrupted one."""
+    recipe = _recipe(tmp_path, steps=6)
+    whole = run_train(recipe)
+    cfg = json.loads(recipe.read_text())
+    cfg["run"]["out_dir"] = str(tmp_path / "run-b")
+    recipe_b = tmp_path / "b.json"
+    recipe_b.write_text(json.dumps(cfg))
+    stopped = run_train(recipe_b, stop_at_step=3)
+    assert (stopped / "checkpoints" / "latest").read_text().strip() == "step-0000003"
+    assert not (stopped / "drafter").exists()
+    target = load_target(cfg["target"]["path"])
+    a = load_drafter_folder(whole, target.model).state_dict()
+    b = load_drafter_folder(run_train(recipe_b), target.model).state_dict()
+    diff = {k: float((a[k] - b[k]).abs().max()) for k in a if not torch.equal(a[k], b[k])}
+    assert not diff, diff
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "mtp", "dflash"])
 def test_run_train_baselines(tmp_path, kind):
     final = run_train(_recipe(tmp_path, kind, steps=2))

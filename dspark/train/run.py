@@ -204,6 +204,8 @@ def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int
                       heldout, pad_id)
     summary = trainer.fit(resume=resume, stop_at_step=stop_at_step)
     if trainer.step < cfg.optim.total_steps:  # stopped early on purpose: no final drafter yet
+        if trainer.step % cfg.log.ckpt_every:  # keep the steps since the last periodic checkpoint
+            trainer.save_checkpoint()
         _leave(info)
         return out_dir
     summary["heldout"] = trainer.evaluate(heldout[:MAX_EVAL_SEQUENCES]) if heldout else None
