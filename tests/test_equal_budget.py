@@ -91,3 +91,14 @@ def test_choose_budget():
         choose_budget([1.0], 20, -5.0, 50, None)
     with pytest.raises(UserError, match="add no whole"):
         choose_budget([0.1], 20, 100.0, 50, None)
+
+
+def test_a_failed_run_stops_the_others_and_names_itself(tmp_path):
+    recipes = _recipes(tmp_path)
+    broken = json.loads(recipes[1].read_text())
+    broken["data"]["dir"] = str(tmp_path / "no-such-data")
+    recipes[1].write_text(json.dumps(broken))
+    with pytest.raises(RuntimeError, match="dflash-tiny.json exited with"):
+        main([*map(str, recipes), "--out", str(tmp_path / "out"), "--deadline-s", "600", "--probe-steps", "3",
+              "--no-eval", "--device", "cpu"])
+    assert not (tmp_path / "out" / "dflash-tiny" / "log.jsonl").exists()

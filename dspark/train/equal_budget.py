@@ -102,16 +102,18 @@ def train_side_by_side(configs: list[Path], logs: list[Path], device: str, stop_
             procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT))
     start = time.perf_counter()
     failed = None
-    while any(p.poll() is None for p in procs) and failed is None:
-        time.sleep(1.0)
-        failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
-    if failed is None:
-        failed = next((i for i, p in enumerate(procs) if p.returncode != 0), None)
-    if failed is not None:
+    try:
+        while any(p.poll() is None for p in procs) and failed is None:
+            time.sleep(1.0)
+            failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+    finally:  # a failed run, or this driver interrupted: no run is left training on its own
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    if failed is None:
+        failed = next((i for i, p in enumerate(procs) if p.returncode != 0), None)
+    if failed is not None:
         tail = logs[failed].read_text()[-2000:]
         raise RuntimeError(f"dspark train {configs[failed]} exited with {procs[failed].returncode}:\n{tail}")
     return time.perf_counter() - start
