@@ -95,6 +95,21 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-features", choices=["online", "cache"], default="online",
                    help="with --evaluate: compute the target's features online, or read them from the recipe's feature cache")
 
+    te = sub.add_parser("train-equal", help="train recipes side by side to the largest equal step budget a deadline "
+                        "allows, then score them paired offline")
+    te.add_argument("configs", nargs="+", help="training recipes (.toml or .json)")
+    te.add_argument("--out", required=True, help="folder for the runs, the derived recipes, logs and the page")
+    te.add_argument("--deadline-s", type=float, required=True, help="seconds from start to the end of evaluation")
+    te.add_argument("--probe-steps", type=int, default=20, help="steps timed side by side (inside every warm-up)")
+    te.add_argument("--max-steps", type=int, default=None, help="cap on the budget")
+    te.add_argument("--round-to", type=int, default=50, help="the budget is a multiple of this")
+    te.add_argument("--eval-reserve-s", type=float, default=150.0, help="seconds kept for the offline evaluation")
+    te.add_argument("--eval-limit", type=int, default=None, help="prompts per benchmark (dspark eval offline --limit)")
+    te.add_argument("--eval-max-new-tokens", type=int, default=128,
+                    help="answer length of the offline evaluation (128: the CPU trio's pages)")
+    te.add_argument("--no-eval", action="store_true", help="train only")
+    _add_device_arg(te)
+
     c = sub.add_parser("calibrate", help="Sequential Temperature Scaling of a drafter's confidence head")
     c.add_argument("drafter", help="drafter folder")
     c.add_argument("--data", default="data/prepared", help="prepared data folder (its held-out part is used)")
@@ -285,6 +300,16 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def cmd_train_equal(args) -> int:
+    from dspark.train.equal_budget import EqualBudgetSettings, run_equal_budget
+
+    run_equal_budget(args.configs, EqualBudgetSettings(
+        out=args.out, deadline_s=args.deadline_s, probe_steps=args.probe_steps, max_steps=args.max_steps,
+        round_to=args.round_to, eval_reserve_s=args.eval_reserve_s, eval_limit=args.eval_limit,
+        eval_max_new_tokens=args.eval_max_new_tokens, evaluate=not args.no_eval, device=args.device))
+    return 0
+
+
 def cmd_train(args) -> int:
     from dspark.train.run import evaluate_drafter, run_train
 
@@ -425,6 +450,7 @@ COMMANDS = {
     "profile": cmd_profile,
     "prepare": cmd_prepare,
     "train": cmd_train,
+    "train-equal": cmd_train_equal,
     "calibrate": cmd_calibrate,
     "draft-vocab": cmd_draft_vocab,
     "eval": cmd_eval,

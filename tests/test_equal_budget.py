@@ -1,4 +1,4 @@
-"""python -m dspark.train.equal_budget: recipes probed side by side, then trained to one budget;
+"""dspark train-equal: recipes probed side by side, then trained to one budget;
 the probe-then-resume run equals a run of that budget from the start."""
 
 import json
@@ -13,7 +13,8 @@ from dspark.draft.checkpoint import load_drafter_folder
 from dspark.errors import UserError
 from dspark.models.loading import load_target
 from dspark.models.tiny import tiny_hf_folder
-from dspark.train.equal_budget import choose_budget, main
+from dspark.cli import main
+from dspark.train.equal_budget import choose_budget
 from train_toys import write_toy_data
 
 
@@ -42,7 +43,7 @@ def test_probe_then_equal_budget_matches_a_run_of_that_budget(tmp_path, monkeypa
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the children and the reference reduce in the same order
     recipes = _recipes(tmp_path)
     out = tmp_path / "out"
-    rc = main([*map(str, recipes), "--out", str(out), "--deadline-s", "600", "--probe-steps", "3",
+    rc = main(["train-equal", *map(str, recipes), "--out", str(out), "--deadline-s", "600", "--probe-steps", "3",
                "--max-steps", "6", "--round-to", "2", "--no-eval", "--device", "cpu"])
     assert rc == 0
     summary = json.loads((out / "equal_budget.json").read_text())
@@ -71,13 +72,13 @@ def test_probe_then_equal_budget_matches_a_run_of_that_budget(tmp_path, monkeypa
 def test_refusals(tmp_path, capsys):
     recipes = [str(p) for p in _recipes(tmp_path)]
     # a probe past the warm-up would train steps whose learning rate depends on the budget
-    assert main([*recipes, "--out", str(tmp_path / "o"), "--deadline-s", "60", "--probe-steps", "5"]) == 2
+    assert main(["train-equal", *recipes, "--out", str(tmp_path / "o"), "--deadline-s", "60", "--probe-steps", "5"]) == 2
     assert "past its warmup_steps" in capsys.readouterr().err
     # two recipes with one name would train into one folder
     twin = tmp_path / "twin"
     twin.mkdir()
     (twin / "dspark-tiny.json").write_text(Path(recipes[0]).read_text())
-    assert main([recipes[0], str(twin / "dspark-tiny.json"), "--out", str(tmp_path / "o"), "--deadline-s", "60",
+    assert main(["train-equal", recipes[0], str(twin / "dspark-tiny.json"), "--out", str(tmp_path / "o"), "--deadline-s", "60",
                  "--probe-steps", "2"]) == 2
     assert "share a file name" in capsys.readouterr().err
 
@@ -99,6 +100,6 @@ def test_a_failed_run_stops_the_others_and_names_itself(tmp_path):
     broken["data"]["dir"] = str(tmp_path / "no-such-data")
     recipes[1].write_text(json.dumps(broken))
     with pytest.raises(RuntimeError, match="dflash-tiny.json exited with"):
-        main([*map(str, recipes), "--out", str(tmp_path / "out"), "--deadline-s", "600", "--probe-steps", "3",
+        main(["train-equal", *map(str, recipes), "--out", str(tmp_path / "out"), "--deadline-s", "600", "--probe-steps", "3",
               "--no-eval", "--device", "cpu"])
     assert not (tmp_path / "out" / "dflash-tiny" / "log.jsonl").exists()

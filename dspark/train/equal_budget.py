@@ -3,7 +3,7 @@ score them together offline.
 
 Issue 4's comparison needs drafters trained on equal budgets, and this CPU stops at 2000 steps
 (docs/TRAINING.md). A GPU lent for a few minutes could go further, but how many steps fit is only
-known once the recipes run there. This driver finds out and then trains them all to that budget:
+known once the recipes run there. `dspark train-equal` finds out and then trains them all to that budget:
 
 1. Each recipe is copied to OUT/configs/NAME.json with its [run] out_dir set to OUT/NAME.
 2. Probe: all recipes train side by side (as they will later) for `probe_steps` steps, which
@@ -18,26 +18,39 @@ known once the recipes run there. This driver finds out and then trains them all
 
 OUT/equal_budget.json records the speeds, the budget, every phase's seconds and the drafters.
 
-    python -m dspark.train.equal_budget --out OUT --deadline-s 420 [--probe-steps 20]
+    dspark train-equal CONFIG [CONFIG ...] --out OUT --deadline-s 420 [--probe-steps 20]
         [--max-steps N] [--round-to 50] [--eval-reserve-s 150] [--device cuda]
-        [--eval-limit 12] [--eval-max-new-tokens 128] [--no-eval] CONFIG [CONFIG ...]
+        [--eval-limit 12] [--eval-max-new-tokens 128] [--no-eval]
 
 docs/GPU.md ("Training the trio on a GPU") gives the command for the 4000-answer trio.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dspark.errors import UserError
 from dspark.train.config import config_from_dict, load_config
+
+
+@dataclass(frozen=True)
+class EqualBudgetSettings:
+    out: str  # folder for the runs, the derived recipes, logs and the page
+    deadline_s: float  # seconds from start to the end of the evaluation
+    probe_steps: int = 20
+    max_steps: int | None = None
+    round_to: int = 50
+    eval_reserve_s: float = 150.0  # seconds kept for the offline evaluation
+    eval_limit: int | None = None  # prompts per benchmark (dspark eval offline --limit)
+    eval_max_new_tokens: int = 128  # answer length (128: the CPU trio's pages)
+    evaluate: bool = True
+    device: str = "auto"
 
 
 @dataclass
@@ -144,33 +157,34 @@ def choose_budget(speeds: list[float], probe_steps: int, seconds: float, round_t
     return total
 
 
-def run(args: argparse.Namespace) -> dict:
+def run_equal_budget(paths: list[str], settings: EqualBudgetSettings) -> dict:
+    """Probe, choose the budget, train to it, evaluate (module docstring); the summary it writes."""
     t0 = time.perf_counter()
-    out = Path(args.out)
+    out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
-    recipes = read_recipes(args.configs, out)
-    check_probe(recipes, args.probe_steps)
+    recipes = read_recipes(paths, out)
+    check_probe(recipes, settings.probe_steps)
     logs = [out / f"{r.name}.log" for r in recipes]
     warm = max(r.config["optim"]["warmup_steps"] for r in recipes)
-    configs = [write_recipe(r, out, max(warm, args.probe_steps) + 1) for r in recipes]
-    print(f"equal_budget: probing {len(recipes)} recipes side by side for {args.probe_steps} steps", flush=True)
-    probe_s = train_side_by_side(configs, logs, args.device, stop_at_step=args.probe_steps)
+    configs = [write_recipe(r, out, max(warm, settings.probe_steps) + 1) for r in recipes]
+    print(f"equal_budget: probing {len(recipes)} recipes side by side for {settings.probe_steps} steps", flush=True)
+    probe_s = train_side_by_side(configs, logs, settings.device, stop_at_step=settings.probe_steps)
     speeds = [steps_per_second(r) for r in recipes]
-    left = args.deadline_s - (time.perf_counter() - t0) - (0 if args.no_eval else args.eval_reserve_s)
-    total = choose_budget(speeds, args.probe_steps, left, args.round_to, args.max_steps)
+    left = settings.deadline_s - (time.perf_counter() - t0) - (settings.eval_reserve_s if settings.evaluate else 0)
+    total = choose_budget(speeds, settings.probe_steps, left, settings.round_to, settings.max_steps)
     for r, v in zip(recipes, speeds):
         print(f"equal_budget: {r.name}: {v:.2f} steps/s side by side", flush=True)
     print(f"equal_budget: every recipe trains to {total} steps", flush=True)
     configs = [write_recipe(r, out, total) for r in recipes]
-    train_s = train_side_by_side(configs, logs, args.device)
+    train_s = train_side_by_side(configs, logs, settings.device)
     drafters = [str(r.out_dir / "drafter") for r in recipes]
     eval_s = None
-    if not args.no_eval:
+    if settings.evaluate:
         cmd = [sys.executable, "-m", "dspark.cli", "eval", "offline", "--drafter", ",".join(drafters),
-               "--results", str(out / "offline"), "--answers", str(out / "answers"), "--device", args.device]
-        cmd += ["--max-new-tokens", str(args.eval_max_new_tokens)]
-        if args.eval_limit is not None:
-            cmd += ["--limit", str(args.eval_limit)]
+               "--results", str(out / "offline"), "--answers", str(out / "answers"), "--device", settings.device]
+        cmd += ["--max-new-tokens", str(settings.eval_max_new_tokens)]
+        if settings.eval_limit is not None:
+            cmd += ["--limit", str(settings.eval_limit)]
         start = time.perf_counter()
         with open(out / "eval.log", "w") as f:
             rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
@@ -179,38 +193,11 @@ def run(args: argparse.Namespace) -> dict:
             raise RuntimeError(f"dspark eval offline exited with {rc}:\n{(out / 'eval.log').read_text()[-2000:]}")
     summary = {
         "recipes": [{"name": r.name, "source": r.source, "steps_per_s": round(v, 3)} for r, v in zip(recipes, speeds)],
-        "total_steps": total, "probe_steps": args.probe_steps, "device": args.device,
+        "total_steps": total, "probe_steps": settings.probe_steps, "device": settings.device,
         "seconds": {"probe": round(probe_s, 1), "train": round(train_s, 1),
                     "eval": None if eval_s is None else round(eval_s, 1), "all": round(time.perf_counter() - t0, 1)},
-        "drafters": drafters, "settings": {k: v for k, v in vars(args).items() if k != "configs"},
+        "drafters": drafters, "settings": asdict(settings),
     }
     (out / "equal_budget.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary["seconds"]), flush=True)
     return summary
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dspark.train.equal_budget", description=__doc__.split("\n\n")[0])
-    parser.add_argument("configs", nargs="+", help="training recipes (.toml or .json)")
-    parser.add_argument("--out", required=True, help="folder for the runs, the derived recipes, logs and the page")
-    parser.add_argument("--deadline-s", type=float, required=True, help="seconds from start to the end of evaluation")
-    parser.add_argument("--probe-steps", type=int, default=20)
-    parser.add_argument("--max-steps", type=int, default=None)
-    parser.add_argument("--round-to", type=int, default=50)
-    parser.add_argument("--eval-reserve-s", type=float, default=150.0, help="seconds kept for the offline evaluation")
-    parser.add_argument("--eval-limit", type=int, default=None, help="prompts per benchmark (dspark eval offline --limit)")
-    parser.add_argument("--eval-max-new-tokens", type=int, default=128,
-                        help="answer length of the offline evaluation (128: the CPU trio's pages)")
-    parser.add_argument("--no-eval", action="store_true")
-    parser.add_argument("--device", default="auto")
-    args = parser.parse_args(argv)
-    try:
-        run(args)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
