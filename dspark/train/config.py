@@ -52,7 +52,9 @@ class DrafterSection:
     draft_vocab_size: int = 0
     # where DSpark's Markov transition starts: "random" (N(0, 0.02), as every other weight) or
     # "pmi" (the rank-r factorisation of the training answers' adjacent-token PMI among the
-    # draft vocabulary's tokens, or the 8192 most frequent; dspark.train.markov_init)
+    # draft vocabulary's tokens, or the 8192 most frequent; dspark.train.markov_init) or
+    # "target" (the same, from the adjacent-token PMI the frozen target itself predicts) or
+    # "pmi+target" (the answers' PMI shrunk toward the target's instead of toward 0)
     markov_init: str = "random"
 
 
@@ -118,7 +120,7 @@ class TrainConfig:
 
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3", "mtp")
 FEATURE_MODES = ("online", "cache")
-MARKOV_INITS = ("random", "pmi")
+MARKOV_INITS = ("random", "pmi", "target", "pmi+target")
 
 # (section, field) -> (low, high, inclusive-low); None = unbounded on that side.
 _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {

@@ -165,6 +165,28 @@ def build_recipe_drafter(cfg: TrainConfig, target, model, ranking: torch.Tensor,
     return drafter
 
 
+def _start_markov(cfg, drafter, model, store, train, ranking, counts, verbose: bool) -> None:
+    """Write the recipe's Markov start ([drafter] markov_init, dspark.train.markov_init) into
+    the drafter's Markov head, and say what it did."""
+    from dspark.train import markov_init as mi
+
+    size, head, how = cfg.drafter.draft_vocab_size or 8192, drafter.markov_head, cfg.drafter.markov_init
+    if how == "pmi":
+        started = mi.pmi_init(head, store, train, ranking, size, seed=cfg.run.seed, max_len=cfg.data.max_seq_len)
+        source = f"the answers' PMI ({started['pairs']} adjacent pairs)"
+    elif how == "target":
+        started = mi.target_pmi_init(head, model, store, train, ranking, counts, size, seed=cfg.run.seed)
+        source = f"the target's own adjacent-token PMI (read after the answer opening {started['opening']})"
+    else:
+        started = mi.blended_pmi_init(head, model, store, train, ranking, counts, size, seed=cfg.run.seed,
+                                      max_len=cfg.data.max_seq_len)
+        source = (f"the answers' PMI ({started['pairs']} adjacent pairs) shrunk toward the target's own "
+                  f"(read after the answer opening {started['opening']})")
+    if verbose:
+        print(f"dspark train: Markov head started from {source} among {started['tokens']} tokens, "
+              f"rank {head.rank} keeps {100 * started['energy_kept']:.0f} % of it")
+
+
 def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int | None = None,
               device: str | torch.device = "auto") -> Path:
     """Train the drafter a recipe describes; return the folder of the final drafter.
@@ -179,18 +201,12 @@ def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int
     store = SequenceStore(cfg.data.dir)
     _check_data(store, target)
     train, heldout = store.split(cfg.data.holdout_fraction)
-    ranking = rank_tokens(count_answer_tokens(store, train, target.config.vocab_size))
+    counts = count_answer_tokens(store, train, target.config.vocab_size)
+    ranking = rank_tokens(counts)
     drafter = build_recipe_drafter(cfg, target, model, ranking, info.device)
     resuming = resume and ckpt.latest_checkpoint(Path(cfg.run.out_dir)) is not None
-    if cfg.drafter.markov_init == "pmi" and not resuming:  # every rank computes the same start
-        from dspark.train.markov_init import pmi_init
-
-        started = pmi_init(drafter.markov_head, store, train, ranking, cfg.drafter.draft_vocab_size or 8192,
-                           seed=cfg.run.seed, max_len=cfg.data.max_seq_len)
-        if info.rank == 0:
-            print(f"dspark train: Markov head started from the answers' PMI: {started['pairs']} adjacent pairs "
-                  f"among {started['tokens']} tokens, rank {drafter.markov_head.rank} keeps "
-                  f"{100 * started['energy_kept']:.0f} % of it")
+    if cfg.drafter.markov_init != "random" and not resuming:  # every rank computes the same start
+        _start_markov(cfg, drafter, model, store, train, ranking, counts, info.rank == 0)
     out_dir = Path(cfg.run.out_dir)
     if info.rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
