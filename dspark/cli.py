@@ -190,6 +190,17 @@ def _parser() -> argparse.ArgumentParser:
     bt.add_argument("--repeats", type=int, default=8, help="timed steps per size")
     bt.add_argument("--warmup", type=int, default=2, help="untimed steps per size first")
     bt.add_argument("--out", default=None, help="also write the result as JSON here")
+    bf = bsub.add_parser("bigram-fit", help="each Markov start (markov_init) as a bigram model on held-out answers")
+    bf.add_argument("--train", default="data/prepared-t1", help="prepared data the starts are computed from")
+    bf.add_argument("--heldout", default="data/prepared-t1-4000",
+                    help="prepared data whose sequences not in --train are scored")
+    bf.add_argument("--last", type=int, default=300, help="score the last N such sequences")
+    bf.add_argument("--holdout-fraction", type=float, default=0.02, help="the recipes' [data] holdout_fraction")
+    bf.add_argument("--max-len", type=int, default=640, help="the recipes' [data] max_seq_len")
+    bf.add_argument("--size", type=int, default=8192, help="draft vocabulary size (tokens in the matrices)")
+    bf.add_argument("--rank", type=int, default=256, help="the Markov head's rank")
+    bf.add_argument("--shrinks", default="2,5,20", help="pmi+target shrink weights, comma separated")
+    bf.add_argument("--json", default="", help="also write the result here")
     bk = bsub.add_parser("soak", help="many streaming clients with cancellations and malformed requests")
     bk.add_argument("--url", required=True, help="a running dspark serve on 127.0.0.1")
     bk.add_argument("--clients", type=int, default=16)
@@ -408,6 +419,15 @@ def cmd_bench(args) -> int:
 
         run_train_step_bench(args.config, list(_ints(args.sizes, "--sizes")), repeats=args.repeats,
                              warmup=args.warmup, out=args.out)
+    elif args.bench == "bigram-fit":
+        from dspark.bench.bigram_fit import BigramFitSettings, run_bigram_fit
+
+        try:
+            shrinks = tuple(float(x) for x in args.shrinks.split(",") if x.strip())
+        except ValueError:
+            raise UserError(f"--shrinks takes comma-separated positive numbers, got {args.shrinks!r}") from None
+        run_bigram_fit(BigramFitSettings(args.train, args.heldout, args.last, args.holdout_fraction, args.max_len,
+                                         args.size, args.rank, shrinks, json=args.json))
     elif args.bench == "soak":
         from dspark.bench.soak import SoakSettings, run_soak
 

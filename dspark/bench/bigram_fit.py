@@ -1,9 +1,9 @@
 """How well each start of DSpark's Markov head predicts held-out answers, as a bigram model
 on its own (docs/TRAINING.md, "The Markov head started from the target's own transitions"):
 
-    .venv/bin/python -m dspark.bench.bigram_fit [--train data/prepared-t1]
-        [--heldout data/prepared-t1-4000] [--last 300] [--max-len 640] [--size 8192] [--rank 256]
-        [--shrinks 2,5,20] [--json docs/figures/bigram_fit.json]
+    dspark bench bigram-fit [--train data/prepared-t1] [--heldout data/prepared-t1-4000]
+        [--last 300] [--max-len 640] [--size 8192] [--rank 256] [--shrinks 2,5,20]
+        [--json docs/figures/bigram_fit.json]
 
 The Markov head adds B(x, y) to the logits of the token after x. A start for B that says
 more about the answers predicts them better through p(y | x) proportional to
@@ -25,9 +25,9 @@ short sequences (about a minute on two cores).
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -66,20 +66,24 @@ def at_rank(matrix: torch.Tensor, rank: int) -> torch.Tensor:
     return a @ b.T
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m dspark.bench.bigram_fit", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--train", default="data/prepared-t1")
-    parser.add_argument("--heldout", default="data/prepared-t1-4000")
-    parser.add_argument("--last", type=int, default=300)
-    parser.add_argument("--holdout-fraction", type=float, default=0.02, help="the recipes' [data] holdout_fraction")
-    parser.add_argument("--max-len", type=int, default=640, help="the recipes' [data] max_seq_len (pairs counted)")
-    parser.add_argument("--size", type=int, default=8192)
-    parser.add_argument("--rank", type=int, default=256)
-    parser.add_argument("--shrinks", default="2,5,20")
-    parser.add_argument("--floor", type=float, default=-3.0)
-    parser.add_argument("--json", default="")
-    args = parser.parse_args(argv)
+@dataclass
+class BigramFitSettings:
+    """What `dspark bench bigram-fit` reads and scores (its options, documented above)."""
 
+    train: str = "data/prepared-t1"
+    heldout: str = "data/prepared-t1-4000"
+    last: int = 300
+    holdout_fraction: float = 0.02  # the recipes' [data] holdout_fraction
+    max_len: int = 640  # the recipes' [data] max_seq_len (training pairs counted)
+    size: int = 8192
+    rank: int = 256
+    shrinks: tuple[float, ...] = (2.0, 5.0, 20.0)
+    floor: float = -3.0
+    json: str = ""
+
+
+def run_bigram_fit(args: BigramFitSettings) -> dict:
+    """Print the table of the module docstring (and write it as JSON to `args.json`); return it."""
     from dspark.models.loading import load_target
 
     started = time.perf_counter()
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     target_pmi = transition_pmi(target_transitions(model, answer_opening(store, train), token_ids),
                                 counts[token_ids].float(), args.floor)
     starts = {"pmi": shrunk_pmi(train_pairs, 5.0), "target": target_pmi}
-    for s in (float(x) for x in args.shrinks.split(",") if x):
+    for s in args.shrinks:
         starts[f"pmi+target {s:g}"] = blended_pmi(train_pairs, target_pmi, s)
     unigram = float(log_unigram[pairs[:, 1]].mean())
     rows = [{"start": "unigram (B = 0)", "full": unigram, "rank": unigram}]
@@ -114,15 +118,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\n| start of B | held-out log p(y | x), full | at rank {args.rank} |\n|---|---|---|")
     for row in rows:
         print(f"| {row['start']} | {row['full']:.3f} | {row['rank']:.3f} |")
-    result = {"train": args.train, "heldout": args.heldout, "last": args.last, "max_len": args.max_len,
-              "size": args.size, "rank": args.rank,
-              "floor": args.floor, "heldout_pairs": int(pairs.shape[0]), "train_pairs": int(train_pairs.sum()),
+    result = {**asdict(args), "heldout_pairs": int(pairs.shape[0]), "train_pairs": int(train_pairs.sum()),
               "rows": rows, "seconds": round(time.perf_counter() - started, 1)}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         print(f"\nwrote {args.json}")
     return result
-
-
-if __name__ == "__main__":
-    main()
