@@ -425,7 +425,9 @@ def cmd_bench(args) -> int:
         try:
             shrinks = tuple(float(x) for x in args.shrinks.split(",") if x.strip())
         except ValueError:
-            raise UserError(f"--shrinks takes comma-separated positive numbers, got {args.shrinks!r}") from None
+            shrinks = ()
+        if not all(x > 0 for x in shrinks):
+            raise UserError(f"--shrinks takes comma-separated positive numbers, got {args.shrinks!r}")
         run_bigram_fit(BigramFitSettings(args.train, args.heldout, args.last, args.holdout_fraction, args.max_len,
                                          args.size, args.rank, shrinks, json=args.json))
     elif args.bench == "soak":

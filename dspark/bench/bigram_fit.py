@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from dspark.errors import UserError
 from dspark.train.data import SequenceStore
 from dspark.train.draft_vocab import count_answer_tokens, rank_tokens
 from dspark.train.markov_init import (
@@ -92,7 +93,7 @@ def run_bigram_fit(args: BigramFitSettings) -> dict:
     seen_ids = set(store.ids)
     fresh = [i for i in range(len(other)) if other.ids[i] not in seen_ids]
     if len(fresh) < args.last:
-        raise SystemExit(f"{args.heldout} has only {len(fresh)} sequences not in {args.train}; lower --last")
+        raise UserError(f"{args.heldout} has only {len(fresh)} sequences not in {args.train}; lower --last")
     fresh = fresh[-args.last:]
     target = load_target(None)
     counts = count_answer_tokens(store, train, target.config.vocab_size)

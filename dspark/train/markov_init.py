@@ -64,29 +64,28 @@ def pair_counts(store: SequenceStore, indices: list[int], token_ids: torch.Tenso
     return flat.view(k, k)
 
 
-def shrunk_pmi(counts: torch.Tensor, shrink: float = 5.0) -> torch.Tensor:
-    """PMI of each seen pair, times n / (n + shrink); 0 for unseen pairs -> float32 [K, K]."""
+def _counted_pmi(counts: torch.Tensor) -> torch.Tensor:
+    """log(n_xy N / (n_x n_y)) of each seen pair, 0 for unseen pairs -> float64 [K, K]."""
     total = counts.sum()
     if total <= 0:
         raise ValueError("no adjacent answer-token pairs to count; is the loss mask empty?")
     left, right = counts.sum(1, keepdim=True), counts.sum(0, keepdim=True)
-    seen = counts > 0
     pmi = torch.log(counts.clamp(min=1) * total / (left * right).clamp(min=1))
-    return torch.where(seen, pmi * counts / (counts + shrink), torch.zeros_like(pmi)).float()
+    return torch.where(counts > 0, pmi, torch.zeros_like(pmi))
+
+
+def shrunk_pmi(counts: torch.Tensor, shrink: float = 5.0) -> torch.Tensor:
+    """PMI of each seen pair, times n / (n + shrink); 0 for unseen pairs -> float32 [K, K]."""
+    pmi = _counted_pmi(counts)
+    return torch.where(counts > 0, pmi * counts / (counts + shrink), torch.zeros_like(pmi)).float()
 
 
 def blended_pmi(counts: torch.Tensor, target: torch.Tensor, shrink: float = 2.0) -> torch.Tensor:
     """Each pair's counted PMI shrunk toward `target`'s value by its count n (weights n and
     `shrink`); unseen pairs take `target`'s value -> float32 [K, K]."""
-    total = counts.sum()
-    if total <= 0:
-        raise ValueError("no adjacent answer-token pairs to count; is the loss mask empty?")
     if shrink <= 0:
         raise ValueError(f"shrink must be positive, got {shrink}")
-    left, right = counts.sum(1, keepdim=True), counts.sum(0, keepdim=True)
-    raw = torch.log(counts.clamp(min=1) * total / (left * right).clamp(min=1))
-    raw = torch.where(counts > 0, raw, torch.zeros_like(raw))
-    return ((raw * counts + target.double() * shrink) / (counts + shrink)).float()
+    return ((_counted_pmi(counts) * counts + target.double() * shrink) / (counts + shrink)).float()
 
 
 def low_rank(matrix: torch.Tensor, rank: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
