@@ -426,7 +426,7 @@ def cmd_bench(args) -> int:
             shrinks = tuple(float(x) for x in args.shrinks.split(",") if x.strip())
         except ValueError:
             shrinks = ()
-        if not all(x > 0 for x in shrinks):
+        if not shrinks or not all(x > 0 for x in shrinks):
             raise UserError(f"--shrinks takes comma-separated positive numbers, got {args.shrinks!r}")
         run_bigram_fit(BigramFitSettings(args.train, args.heldout, args.last, args.holdout_fraction, args.max_len,
                                          args.size, args.rank, shrinks, json=args.json))
