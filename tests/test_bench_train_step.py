@@ -1,5 +1,5 @@
 """The training-step benchmark on a tiny target and toy data: one row per draft-vocabulary
-size, timed on the same batches; bad sizes are refused with a message."""
+size and precision, timed on the same batches; bad sizes and precisions are refused with a message."""
 
 import json
 
@@ -43,6 +43,14 @@ def test_one_row_per_size_on_the_same_batches(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()  # a benchmark writes no checkpoint
 
 
+def test_one_row_per_size_and_precision(tmp_path):
+    recipe = _recipe(tmp_path)
+    result = time_train_steps(recipe, [24], repeats=1, warmup=0, progress=False, precisions=["fp32", "bf16"])
+    assert [(r["draft_vocab_size"], r["precision"]) for r in result["rows"]] == [(24, "fp32"), (24, "bf16")]
+    table = format_table(result)
+    assert "| 24 | fp32 |" in table and "| 24 | bf16 |" in table and "step vs (24, fp32)" in table
+
+
 def test_bad_sizes_are_refused(tmp_path, capsys):
     recipe = _recipe(tmp_path)
     assert main(["bench", "train-step", str(recipe), "--sizes", "0,lots"]) == 2
@@ -51,6 +59,8 @@ def test_bad_sizes_are_refused(tmp_path, capsys):
     assert "sizes are >= 0" in capsys.readouterr().err
     assert main(["bench", "train-step", str(recipe), "--sizes", "0,96"]) == 2  # not below the tiny target's 96 tokens
     assert "not below the target's 96 tokens" in capsys.readouterr().err
+    assert main(["bench", "train-step", str(recipe), "--sizes", "0", "--precisions", "fp32,half"]) == 2
+    assert "--precisions half: use auto, bf16, fp32" in capsys.readouterr().err
 
 
 def test_the_command_prints_the_table_and_writes_json(tmp_path, capsys):

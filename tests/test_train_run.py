@@ -70,6 +70,10 @@ def test_config_rejects_unknown_and_out_of_range_keys(tmp_path):
     bad.write_text("[optim\n")
     with pytest.raises(UserError, match="cannot parse"):
         load_config(bad)
+    empty = tmp_path / "empty.toml"
+    empty.write_text("# a recipe whose tables were lost\n")
+    with pytest.raises(UserError, match="empty.toml sets nothing"):
+        load_config(empty)  # not a run of every default into runs/train
 
 
 def _recipe(tmp_path: Path, kind: str = "dspark", steps: int = 4) -> Path:

@@ -136,14 +136,15 @@ def _weights(run_dir: Path) -> dict:
     return load_file(str(run_dir / "checkpoints" / latest / "drafter" / "model.safetensors"))
 
 
-def test_resume_after_interruption_is_exact(tmp_path):
+@pytest.mark.parametrize("precision", ["auto", "bf16"])
+def test_resume_after_interruption_is_exact(tmp_path, precision):
     data = write_toy_data(tmp_path / "data")
-    whole = _trainer(_cfg(tmp_path / "a", data))
+    whole = _trainer(_cfg(tmp_path / "a", data, precision=precision))
     whole.fit()
-    first = _trainer(_cfg(tmp_path / "b", data))
+    first = _trainer(_cfg(tmp_path / "b", data, precision=precision))
     first.fit(stop_at_step=3)  # "killed" after step 3: the last checkpoint is step 2
     assert (tmp_path / "b" / "checkpoints" / "latest").read_text().strip() == "step-0000002"
-    resumed = _trainer(_cfg(tmp_path / "b", data), seed=123)  # fresh init: weights must come from the checkpoint
+    resumed = _trainer(_cfg(tmp_path / "b", data, precision=precision), seed=123)  # fresh init: weights from the checkpoint
     resumed.fit()
     a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -151,6 +152,29 @@ def test_resume_after_interruption_is_exact(tmp_path):
     assert strip(tmp_path / "a" / "log.jsonl") == strip(tmp_path / "b" / "log.jsonl")
     files = {p.suffix for p in (tmp_path / "b" / "checkpoints").rglob("*") if p.is_file()}
     assert files <= {".safetensors", ".json", ""}  # no pickle files
+
+
+def test_bf16_precision_changes_the_forward_not_the_weights_dtype(tmp_path):
+    """[optim] precision = "bf16" runs the CPU forward under bf16 autocast (the losses move off the
+    float32 run's), while weights, gradients and AdamW stay float32; "fp32" is "auto" on the CPU."""
+    from dspark.errors import UserError
+    from dspark.train.trainer import autocast_bf16
+
+    data = write_toy_data(tmp_path / "data")
+    runs = {}
+    for precision in ("auto", "fp32", "bf16"):
+        trainer = _trainer(_cfg(tmp_path / precision, data, precision=precision))
+        trainer.fit()
+        assert all(p.dtype == torch.float32 for p in trainer.drafter.parameters())
+        runs[precision] = [json.loads(x)["loss"] for x in (tmp_path / precision / "log.jsonl").read_text().splitlines()]
+    assert runs["auto"] == runs["fp32"]
+    assert runs["bf16"] != runs["fp32"] and all(math.isfinite(x) for x in runs["bf16"])
+    assert max(abs(a - b) for a, b in zip(runs["bf16"], runs["fp32"])) < 0.1 * max(runs["fp32"])
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert [autocast_bf16(p, cpu) for p in ("auto", "bf16", "fp32")] == [False, True, False]
+    assert [autocast_bf16(p, gpu) for p in ("auto", "bf16", "fp32")] == [True, True, False]
+    with pytest.raises(UserError, match=r"\[optim\] precision = 'fp16' is unknown; use one of auto, bf16, fp32"):
+        _cfg(tmp_path / "x", data, precision="fp16")
 
 
 def test_raising_total_steps_extends_a_finished_run(tmp_path, capsys):

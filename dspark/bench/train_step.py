@@ -1,12 +1,14 @@
-"""Wall-clock of one drafter training step, over the whole vocabulary and over draft vocabularies.
+"""Wall-clock of one drafter training step, over the whole vocabulary and over draft vocabularies,
+in float32 and under bf16 autocast.
 
     dspark bench train-step configs/dspark-960-t1-r256-5l-v8k.toml --sizes 0,8192 --repeats 8
+    dspark bench train-step configs/dspark-960-t1-r256-5l-v8k.toml --sizes 8192 --precisions fp32,bf16
 
-For a recipe, builds its untrained drafter once per draft-vocabulary size K (0 = the whole
-vocabulary; `[drafter] draft_vocab_size` otherwise) on the recipe's data and feature source, and
-times the trainer's step (features, forward, the three-term loss, backward, clipping, AdamW) on the
-same global batches. The sizes take turns on every batch, so the machine's noise falls on all of
-them alike. The features' part of each step (a read of the feature cache, or the online target
+For a recipe, builds its untrained drafter once per arm: a draft-vocabulary size K (0 = the whole
+vocabulary; `[drafter] draft_vocab_size` otherwise) and an `[optim] precision`, on the recipe's
+data and feature source, and times the trainer's step (features, forward, the three-term loss,
+backward, clipping, AdamW) on the same global batches. The arms take turns on every batch, so the
+machine's noise falls on all of them alike. The features' part of each step (a read of the feature cache, or the online target
 forward) is timed inside the step; the rest is the drafter's share, the part a draft vocabulary
 can make cheaper. A recipe in cache mode builds its feature cache first if it is not on disk.
 """
@@ -38,11 +40,15 @@ class _TimedFeatures:
 
 
 def time_train_steps(config_path: str | Path, sizes: list[int], repeats: int = 8, warmup: int = 2,
-                     progress: bool = True) -> dict:
-    """Median step, feature and drafter-share milliseconds per draft-vocabulary size."""
+                     progress: bool = True, precisions: list[str] | None = None) -> dict:
+    """Median step, feature and drafter-share milliseconds per arm: every draft-vocabulary size in
+    `sizes` at every precision in `precisions` (default: the recipe's own)."""
+    import dataclasses
+
     from tqdm import tqdm
 
     from dspark.models.loading import load_target
+    from dspark.train.config import PRECISIONS
     from dspark.train.data import SequenceStore
     from dspark.train.draft_vocab import count_answer_tokens, rank_tokens
     from dspark.train.run import _check_data, _features, build_recipe_drafter, drafter_io
@@ -53,6 +59,10 @@ def time_train_steps(config_path: str | Path, sizes: list[int], repeats: int = 8
     if any(size < 0 for size in sizes):
         raise UserError(f"--sizes {sizes}: draft vocabulary sizes are >= 0 (0 = the whole vocabulary)")
     cfg = load_config(config_path)
+    precisions = list(precisions or [cfg.optim.precision])
+    unknown = [p for p in precisions if p not in PRECISIONS]
+    if unknown:
+        raise UserError(f"--precisions {','.join(unknown)}: use {', '.join(PRECISIONS)}")
     info = DistInfo()
     target = load_target(cfg.target.path or None, cpu_kernels=True)
     model = target.model.eval()
@@ -61,31 +71,33 @@ def time_train_steps(config_path: str | Path, sizes: list[int], repeats: int = 8
     train, heldout = store.split(cfg.data.holdout_fraction)
     ranking = rank_tokens(count_answer_tokens(store, train, target.config.vocab_size))
     pad_id = target.config.eos_token_ids[0] if target.config.eos_token_ids else 0
-    trainers, timers = {}, {}
-    for size in sizes:
-        drafter = build_recipe_drafter(cfg, target, model, ranking, info.device, draft_vocab_size=size)
-        if not timers:  # one feature source for all: the same tapped layers
-            source = _features(cfg, model, drafter, store, train + heldout, target.name, info)
-        timers[size] = _TimedFeatures(source)
-        trainers[size] = Trainer(cfg, drafter, timers[size], store, train, drafter_io(cfg.optim.anchors_per_seq, model),
-                                 info, None, pad_id)
-    times = {size: {"step": [], "features": []} for size in sizes}
+    arms = [(size, precision) for size in sizes for precision in precisions]
+    trainers, timers, source = {}, {}, None
+    for size, precision in arms:
+        arm_cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, precision=precision))
+        drafter = build_recipe_drafter(arm_cfg, target, model, ranking, info.device, draft_vocab_size=size)
+        if source is None:  # one feature source for all: the same tapped layers
+            source = _features(arm_cfg, model, drafter, store, train + heldout, target.name, info)
+        timers[size, precision] = _TimedFeatures(source)
+        trainers[size, precision] = Trainer(arm_cfg, drafter, timers[size, precision], store, train,
+                                            drafter_io(cfg.optim.anchors_per_seq, model), info, None, pad_id)
+    times = {arm: {"step": [], "features": []} for arm in arms}
     for step in tqdm(range(warmup + repeats), desc="train steps", disable=not progress):
-        order = sizes[step % len(sizes):] + sizes[: step % len(sizes)]  # who goes first rotates
-        for size in order:
-            trainer = trainers[size]
-            trainer.step = step  # every size trains on this step's global batch
+        order = arms[step % len(arms):] + arms[: step % len(arms)]  # who goes first rotates
+        for arm in order:
+            trainer = trainers[arm]
+            trainer.step = step  # every arm trains on this step's global batch
             t0 = time.perf_counter()
             trainer.train_step()
             if step >= warmup:
-                times[size]["step"].append(time.perf_counter() - t0)
-                times[size]["features"].append(timers[size].last)
+                times[arm]["step"].append(time.perf_counter() - t0)
+                times[arm]["features"].append(timers[arm].last)
     rows = []
-    for size in sizes:
-        step_ms = [1e3 * t for t in times[size]["step"]]
-        feat_ms = [1e3 * t for t in times[size]["features"]]
+    for size, precision in arms:
+        step_ms = [1e3 * t for t in times[size, precision]["step"]]
+        feat_ms = [1e3 * t for t in times[size, precision]["features"]]
         share = [s - f for s, f in zip(step_ms, feat_ms)]
-        rows.append({"draft_vocab_size": size, "step_ms": statistics.median(step_ms),
+        rows.append({"draft_vocab_size": size, "precision": precision, "step_ms": statistics.median(step_ms),
                      "features_ms": statistics.median(feat_ms), "drafter_ms": statistics.median(share)})
     base = rows[0]
     for row in rows:
@@ -98,23 +110,24 @@ def time_train_steps(config_path: str | Path, sizes: list[int], repeats: int = 8
 
 
 def format_table(result: dict) -> str:
-    base = result["rows"][0]["draft_vocab_size"]
+    first = result["rows"][0]
+    base = f"{'whole' if first['draft_vocab_size'] == 0 else first['draft_vocab_size']}, {first.get('precision', 'auto')}"
     lines = [f"{result['config']} ({result['kind']}, {result['global_batch']} sequences x {result['anchors_per_seq']} "
              f"anchors, G={result['block_size']}, features {result['feature_mode']}, {result['threads']} thread(s), "
              f"median of {result['repeats']})",
-             f"| draft vocabulary | step ms | features ms | drafter ms | step vs K={base} | drafter vs K={base} |",
-             "|---|---|---|---|---|---|"]
+             f"| draft vocabulary | precision | step ms | features ms | drafter ms | step vs ({base}) | drafter vs ({base}) |",
+             "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         name = "whole" if r["draft_vocab_size"] == 0 else str(r["draft_vocab_size"])
-        lines.append(f"| {name} | {r['step_ms']:.0f} | {r['features_ms']:.0f} | {r['drafter_ms']:.0f} | "
+        lines.append(f"| {name} | {r.get('precision', 'auto')} | {r['step_ms']:.0f} | {r['features_ms']:.0f} | {r['drafter_ms']:.0f} | "
                      f"{r['step_speedup']:.2f}x | {r['drafter_speedup']:.2f}x |")
     return "\n".join(lines)
 
 
 def run_train_step_bench(config_path: str | Path, sizes: list[int], repeats: int = 8, warmup: int = 2,
-                         out: str | Path | None = None) -> dict:
+                         out: str | Path | None = None, precisions: list[str] | None = None) -> dict:
     """`dspark bench train-step`: time, print the table, and write the JSON to `out` if given."""
-    result = time_train_steps(config_path, list(sizes), repeats=repeats, warmup=warmup)
+    result = time_train_steps(config_path, list(sizes), repeats=repeats, warmup=warmup, precisions=precisions)
     print(format_table(result))
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -81,6 +81,7 @@ class OptimConfig:
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     global_batch: int = 16  # sequences per step, summed over all data-parallel ranks
     anchors_per_seq: int = 8  # A: blocks sampled per sequence per step
+    precision: str = "auto"  # forward under bf16 autocast: "auto" on a GPU only, "bf16" everywhere, "fp32" nowhere
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ class TrainConfig:
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3", "mtp")
 FEATURE_MODES = ("online", "cache")
 MARKOV_INITS = ("random", "pmi", "target", "pmi+target")
+PRECISIONS = ("auto", "bf16", "fp32")
 
 # (section, field) -> (low, high, inclusive-low); None = unbounded on that side.
 _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
@@ -158,6 +160,9 @@ def validate(cfg: TrainConfig) -> None:
         value = getattr(getattr(cfg, section), name)
         if not math.isfinite(value) or (low is not None and value < low) or (high is not None and value > high):
             raise UserError(f"[{section}] {name} = {value} is out of range [{low}, {high if high is not None else 'inf'}]")
+    if cfg.optim.precision not in PRECISIONS:
+        raise UserError(f"[optim] precision = {cfg.optim.precision!r} is unknown; use one of {', '.join(PRECISIONS)} "
+                        "(auto: bf16 autocast on a GPU, float32 on the CPU)")
     if cfg.drafter.kind not in DRAFTER_KINDS:
         raise UserError(f"[drafter] kind = {cfg.drafter.kind!r} is unknown; use one of {', '.join(DRAFTER_KINDS)}")
     if cfg.features.mode not in FEATURE_MODES:
@@ -231,4 +236,7 @@ def load_config(path: str | Path) -> TrainConfig:
             raw = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"cannot parse training config {path}: {exc}") from None
+    if not raw:
+        raise UserError(f"training config {path} sets nothing (no [run], [data], [drafter] ... tables); "
+                        "start from a recipe in configs/")
     return config_from_dict(raw)

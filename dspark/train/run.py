@@ -27,7 +27,7 @@ from dspark.train.config import TrainConfig, load_config
 from dspark.train.data import SequenceStore
 from dspark.train.draft_vocab import count_answer_tokens, rank_tokens
 from dspark.train.features import CACHE_META, CachedFeatures, OnlineFeatures, build_feature_cache
-from dspark.train.trainer import DistInfo, DrafterIO, Trainer, freeze_shared
+from dspark.train.trainer import DistInfo, DrafterIO, Trainer, autocast_bf16, cpu_has_native_bf16, freeze_shared
 
 MAX_EVAL_SEQUENCES = 256  # held-out sequences evaluated at the end of training
 
@@ -187,6 +187,17 @@ def _start_markov(cfg, drafter, model, store, train, ranking, counts, verbose: b
               f"rank {head.rank} keeps {100 * started['energy_kept']:.0f} % of it")
 
 
+def _precision_line(precision: str, device: torch.device) -> str:
+    """What [optim] precision means on this device, and a warning where bf16 will be slow."""
+    if not autocast_bf16(precision, device):
+        return f"forward in float32 ([optim] precision = {precision!r})"
+    line = f"forward under bf16 autocast, weights and AdamW in float32 ([optim] precision = {precision!r})"
+    if device.type == "cpu" and not cpu_has_native_bf16():
+        line += ("; this CPU has no bf16 matrix instructions (AMX or AVX512-BF16), so bf16 may run slower "
+                 "than float32: set precision = \"fp32\"")
+    return line
+
+
 def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int | None = None,
               device: str | torch.device = "auto") -> Path:
     """Train the drafter a recipe describes; return the folder of the final drafter.
@@ -214,6 +225,7 @@ def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int
         n = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
         print(f"dspark train: {cfg.drafter.kind} drafter, {n / 1e6:.2f}M trainable parameters, G={drafter.block_size}; "
               f"{len(train)} training / {len(heldout)} held-out sequences; {info.world} rank(s) on {info.device}")
+        print(f"dspark train: {_precision_line(cfg.optim.precision, info.device)}")
     features = _features(cfg, model, drafter, store, train + heldout, target.name, info)
     pad_id = target.config.eos_token_ids[0] if target.config.eos_token_ids else 0
     trainer = Trainer(cfg, drafter, features, store, train, drafter_io(cfg.optim.anchors_per_seq, model), info,
