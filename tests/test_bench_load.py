@@ -186,7 +186,11 @@ def test_parse_arm():
     assert parse_arm("c=/x/y:z/d:threshold:0.3") == Arm("c", "/x/y:z/d", "threshold", threshold=0.3)
     assert parse_arm("d=/ckpt:dspark-async").policy == "dspark-async"
     assert parse_arm("e=http://127.0.0.1:8001").url == "http://127.0.0.1:8001"
-    for bad in ("noequals", "a=ngram", "a=ngram:bogus", "a=ngram:dspark:3", "a=ngram:fixed:x", "a=http://10.1.1.1:1"):
+    assert parse_arm("f=default:dspark:bf16=off") == Arm("f", "default", "dspark", drafter_bf16="off")
+    assert parse_arm("g=/ckpt:fixed:7:bf16=on") == Arm("g", "/ckpt", "fixed", k=7, drafter_bf16="on")
+    assert parse_arm("h=default:dspark").drafter_bf16 is None  # the environment's choice
+    for bad in ("noequals", "a=ngram", "a=ngram:bogus", "a=ngram:dspark:3", "a=ngram:fixed:x", "a=http://10.1.1.1:1",
+                "a=default:dspark:bf16=yes", "a=default:bf16=on"):
         with pytest.raises(UserError):
             parse_arm(bad)
 

@@ -232,17 +232,20 @@ def test_draft_vocabulary_is_lossless(kind, cfg):
     assert drafter.draft_ids.tolist() == [0, 1, 3, 4, 6]  # the first 5 ranked, sorted
 
 
-@pytest.mark.parametrize("kind", ["bigram", "dspark", "bigram-block-quantized"])
-def test_engine_with_cpu_kernels_matches_target_distribution(kind):
+@pytest.mark.parametrize("kind", ["bigram", "dspark", "dspark-bf16", "bigram-block-quantized"])
+def test_engine_with_cpu_kernels_matches_target_distribution(kind, monkeypatch):
     """The small-row CPU kernel (csrc/rowgemm.c, 1-48 rows) in the loop, in the target and (for
     a learned drafter) in the drafter: 4 requests at a time, so every decode and verification
     forward has at most 16 rows and runs on it. "block-quantized": a target whose weights lie on
-    the Q4_1 / Q8_0 grids, as the embedded model's do, served from 4- and 8-bit records."""
+    the Q4_1 / Q8_0 grids, as the embedded model's do, served from 4- and 8-bit records.
+    "dspark-bf16": the drafter's products of 8 rows or more in bfloat16 (DSPARK_DRAFTER_BF16=on),
+    "dspark" the same drafter on the exact kernel only (=off)."""
     from dspark.draft.factory import build_drafter
     from dspark.models.cpu_kernels import cpu_kernels_available, enable_cpu_kernels, enable_drafter_cpu_kernels
 
     if not cpu_kernels_available():
         pytest.skip("the CPU kernel is unavailable here")
+    monkeypatch.setenv("DSPARK_DRAFTER_BF16", "on" if kind == "dspark-bf16" else "off")
     target = _flat_target(block_quantized=kind == "bigram-block-quantized")
     assert enable_cpu_kernels(target)
     if kind == "bigram-block-quantized":
@@ -259,8 +262,40 @@ def test_engine_with_cpu_kernels_matches_target_distribution(kind):
     assert served >= 2048 // 4, served  # at least one verification forward per batch took the kernel
     if kind == "dspark":
         assert drafter.head_kernel.fast_calls >= 2048 // 4
+    if kind == "dspark-bf16":  # 4 requests x 3 positions = 12 rows a round through every draft layer
+        layer = drafter.layers[0].mlp.down_proj.cpu_kernel
+        assert layer.bf16_calls >= 2048 // 4  # (rounds with fewer rows, e.g. one request left, take the kernel)
     result = chi_square(samples, _exact_joint(target, params), VOCAB)
     assert result.p_value > ALPHA, result
+
+
+def test_drafter_bf16_path_keeps_greedy_output(monkeypatch):
+    """Greedy parity with the drafter's many-row products in bfloat16 (DSPARK_DRAFTER_BF16=on): four
+    requests at a time through the engine, verifying every drafted token, give plain decoding's tokens."""
+    from dspark.draft.ngram import NoDrafter
+    from dspark.draft.factory import build_drafter
+    from dspark.models.cpu_kernels import cpu_kernels_available, enable_cpu_kernels, enable_drafter_cpu_kernels
+
+    if not cpu_kernels_available():
+        pytest.skip("the CPU kernel is unavailable here")
+    monkeypatch.setenv("DSPARK_DRAFTER_BF16", "on")
+    target = tiny_target(seed=5, vocab_size=VOCAB)
+    assert enable_cpu_kernels(target)
+    drafter = build_drafter("dspark", target.config, target.embed_tokens, target.lm_head_weight, seed=3,
+                            block_size=3, markov_head_type="vanilla", markov_rank=4)
+    assert enable_drafter_cpu_kernels(drafter, target)
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    prompts = [PROMPT, PROMPT[:5], PROMPT[2:] + [0, 1], [7, 6, 5]]
+    outputs = {}
+    for name, drafting in (("plain", NoDrafter(3)), ("drafted", drafter)):
+        engine = Engine(target, drafting, build_policy("fixed", block_size=3),
+                        EngineConfig(max_running=4, max_seq_len=32, kv_budget_tokens=4 * 32))
+        ids = [engine.add_request(p, params) for p in prompts]
+        while engine.has_work():
+            engine.step()
+        outputs[name] = [engine.pop_finished(i).output_ids for i in ids]
+    assert outputs["drafted"] == outputs["plain"]
+    assert drafter.layers[0].mlp.down_proj.cpu_kernel.bf16_calls > 0
 
 
 def test_engine_test_rejects_misreported_draft_probabilities():

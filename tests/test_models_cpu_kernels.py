@@ -417,10 +417,12 @@ def _propose(drafter, target, draft_vocab: int):
 @needs_kernel
 @pytest.mark.parametrize("draft_vocab", [0, 40])
 @pytest.mark.parametrize("kind,cfg", DRAFTERS, ids=[f"{k}-{c.get('markov_head_type', '')}" for k, c in DRAFTERS])
-def test_drafter_with_kernels_proposes_what_it_proposes_without(kind: str, cfg: dict, draft_vocab: int) -> None:
+def test_drafter_with_kernels_proposes_what_it_proposes_without(kind: str, cfg: dict, draft_vocab: int,
+                                                               monkeypatch) -> None:
     from dspark.draft.factory import build_drafter
     from dspark.models.cpu_kernels import enable_drafter_cpu_kernels
 
+    monkeypatch.setenv("DSPARK_DRAFTER_BF16", "off")  # the exact path; the bfloat16 one is tested below
     target = tiny_target(1, vocab_size=64)
     plain = build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, seed=2, **cfg).eval()
     fast = build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, seed=2, **cfg).eval()
@@ -433,6 +435,57 @@ def test_drafter_with_kernels_proposes_what_it_proposes_without(kind: str, cfg: 
         torch.testing.assert_close(b.confidences, a.confidences, rtol=1e-4, atol=1e-5)
     served = [m.cpu_kernel.fast_calls for m in fast.modules() if "cpu_kernel" in m.__dict__]
     assert sum(served) > 0 and fast.__dict__["head_kernel"].fast_calls > 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind,cfg", DRAFTERS[:1] + DRAFTERS[2:3], ids=["dspark", "dflash"])
+def test_drafter_bf16_path_takes_the_many_row_products(kind: str, cfg: dict, monkeypatch) -> None:
+    """DSPARK_DRAFTER_BF16=on: products of DRAFTER_BF16_FROM_ROWS rows or more (three requests' blocks, the
+    batched context projection) run as bfloat16 matmuls, fewer rows on the exact kernel. The proposals
+    stay close to the float32 drafter's (bfloat16 rounding only), and what the drafter reports as its
+    draft probabilities is still a distribution that puts mass on every drafted token."""
+    from dspark.draft.factory import build_drafter
+    from dspark.models.cpu_kernels import DRAFTER_BF16_FROM_ROWS, CpuKernel, drafter_bf16_from_rows, enable_drafter_cpu_kernels
+
+    monkeypatch.setenv("DSPARK_DRAFTER_BF16", "on")
+    assert drafter_bf16_from_rows() == DRAFTER_BF16_FROM_ROWS
+    target = tiny_target(1, vocab_size=64)
+    plain = build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, seed=2, **cfg).eval()
+    fast = build_drafter(kind, target.config, target.embed_tokens, target.lm_head_weight, seed=2, **cfg).eval()
+    enable_cpu_kernels(target)
+    assert enable_drafter_cpu_kernels(fast, target)
+    a, b = _propose(plain, target, 40), _propose(fast, target, 40)
+    torch.testing.assert_close(b.draft_probs, a.draft_probs, rtol=0.0, atol=0.05)
+    sums = b.draft_probs.sum(-1)
+    torch.testing.assert_close(sums, torch.ones_like(sums))
+    assert bool((b.draft_probs.gather(-1, b.draft_tokens[..., None]) > 0).all())
+    kernels = [m.cpu_kernel for m in fast.modules() if "cpu_kernel" in m.__dict__] + [fast.__dict__["head_kernel"]]
+    assert sum(k.bf16_calls for k in kernels) > 0 and fast.__dict__["head_kernel"].bf16_calls > 0
+    layer = next(m.cpu_kernel for m in fast.modules() if "cpu_kernel" in m.__dict__)
+    x = torch.randn(DRAFTER_BF16_FROM_ROWS - 1, layer.weight.shape[1])
+    calls = (layer.fast_calls, layer.bf16_calls)
+    with torch.no_grad():  # few rows: the exact kernel
+        torch.testing.assert_close(layer(x), x @ layer.weight.T, rtol=1e-5, atol=1e-5)
+    assert (layer.fast_calls, layer.bf16_calls) == (calls[0] + 1, calls[1])
+    monkeypatch.setenv("DSPARK_DRAFTER_BF16", "off")
+    assert drafter_bf16_from_rows() is None
+    monkeypatch.setenv("DSPARK_DRAFTER_BF16", "maybe")
+    with pytest.raises(ValueError, match="DSPARK_DRAFTER_BF16='maybe': use auto, on or off"):
+        drafter_bf16_from_rows()
+    assert CpuKernel(layer.weight, cpu_kernels.rowgemm()[0]).weight_bf16 is None  # the target's kernels: never
+
+
+def test_auto_takes_the_bf16_path_on_amx_cpus_only(monkeypatch) -> None:
+    """`auto` follows the CPU's flags: AMX yes; AVX512-BF16 alone (not measured) and plain AVX2 no."""
+    from dspark.models import device
+    from dspark.models.cpu_kernels import DRAFTER_BF16_FROM_ROWS, drafter_bf16_from_rows
+
+    monkeypatch.delenv("DSPARK_DRAFTER_BF16", raising=False)
+    for flags, native, rows in (({"avx2", "amx_bf16", "amx_tile"}, True, DRAFTER_BF16_FROM_ROWS),
+                                ({"avx2", "avx512_bf16"}, True, None), ({"avx2", "fma"}, False, None)):
+        monkeypatch.setattr(device, "_cpu_flags", lambda flags=flags: flags)
+        assert (device.cpu_has_native_bf16(), drafter_bf16_from_rows()) == (native, rows)
+        assert drafter_bf16_from_rows("on") == DRAFTER_BF16_FROM_ROWS and drafter_bf16_from_rows("off") is None
 
 
 @needs_kernel

@@ -184,6 +184,32 @@ def test_other_kernel_block_shapes_measure_the_profile_again(tmp_path):
         cpu_kernels.use_blocks(cpu_kernels.DEFAULT_BLOCKS, "default")
 
 
+def test_a_drafter_with_its_bf16_path_measures_d_again_not_f(tmp_path, monkeypatch):
+    """The drafter's bfloat16 path (DSPARK_DRAFTER_BF16) changes D(R) only: a profile taken with it
+    off reuses its forward grid F(R, B) with it on, and measures the drafting rounds again."""
+    from dspark.draft.factory import build_drafter
+    from dspark.models import cpu_kernels
+
+    if not cpu_kernels.cpu_kernels_available():
+        pytest.skip(cpu_kernels.cpu_kernels_status())
+    target = tiny_target(seed=1, vocab_size=96)
+    assert cpu_kernels.enable_cpu_kernels(target, home=tmp_path, tune=False)
+    drafters = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv("DSPARK_DRAFTER_BF16", mode)
+        drafters[mode] = build_drafter("dspark", target.config, target.embed_tokens, target.lm_head_weight, seed=2,
+                                       block_size=4, markov_rank=8)
+        assert cpu_kernels.enable_drafter_cpu_kernels(drafters[mode], target)
+    first = profile_engine(target, drafters["off"], model_id="tiny", drafter_id="d", settings=SMALL, home=tmp_path,
+                           progress=False)
+    assert not first.reused
+    with_bf16 = profile_engine(target, drafters["on"], model_id="tiny", drafter_id="d", settings=SMALL, home=tmp_path,
+                               progress=False)
+    assert not with_bf16.reused and with_bf16.cost.forward.points() == first.cost.forward.points()
+    assert profile_engine(target, drafters["on"], model_id="tiny", drafter_id="d", settings=SMALL, home=tmp_path,
+                          progress=False).reused
+
+
 def test_profile_measures_forward_and_drafting_apart(tmp_path):
     """outcome.cost holds F(R, B) over (request count, budget) and D(R) for
     R = 1..max_requests; a drafter that sleeps 30 ms per propose shows up in D, not

@@ -177,6 +177,19 @@ def test_bf16_precision_changes_the_forward_not_the_weights_dtype(tmp_path):
         _cfg(tmp_path / "x", data, precision="fp16")
 
 
+def test_the_precision_line_warns_where_bf16_has_no_hardware(monkeypatch):
+    from dspark.models import device
+    from dspark.train.run import _precision_line
+
+    cpu = torch.device("cpu")
+    assert _precision_line("auto", cpu) == "forward in float32 ([optim] precision = 'auto')"
+    monkeypatch.setattr(device, "_cpu_flags", lambda: {"avx2"})
+    assert "this CPU has no bf16 matrix instructions" in _precision_line("bf16", cpu)
+    monkeypatch.setattr(device, "_cpu_flags", lambda: {"avx2", "amx_bf16"})
+    assert _precision_line("bf16", cpu).startswith("forward under bf16 autocast") and "no bf16" not in _precision_line("bf16", cpu)
+    assert "no bf16" not in _precision_line("bf16", torch.device("cuda"))
+
+
 def test_raising_total_steps_extends_a_finished_run(tmp_path, capsys):
     """Only optim.total_steps may change on resume: the run continues from its last step."""
     from dspark.errors import UserError

@@ -36,12 +36,15 @@ class Arm:
     block_size: int | None = None  # block size of the model-free drafters (none, ngram)
     url: str | None = None  # HTTP: a running server started with this drafter and policy
     pending: str | None = None  # why the arm cannot run yet; reported, never run
+    drafter_bf16: str | None = None  # a learned drafter's bfloat16 path on the CPU: auto | on | off (None: the environment's)
 
     def __post_init__(self) -> None:
         if not self.name or "=" in self.name or "," in self.name:
             raise UserError(f"bad arm name {self.name!r}: use letters, digits and dashes")
         if self.url is None and self.policy not in SERVING_POLICIES:
             raise UserError(f"arm {self.name}: unknown policy {self.policy!r}; use one of {', '.join(SERVING_POLICIES)}")
+        if self.drafter_bf16 not in (None, "auto", "on", "off"):
+            raise UserError(f"arm {self.name}: bf16={self.drafter_bf16} is unknown; use bf16=auto, bf16=on or bf16=off")
 
     @property
     def policy_options(self) -> dict:
@@ -75,7 +78,17 @@ def paper_arms(dspark_drafter: str | None, mtp_drafter: str | None, *, threshold
 def parse_arm(spec: str) -> Arm:
     """`NAME=URL` (a running server) or `NAME=DRAFTER:POLICY[:OPTION]`, OPTION
     being k for `fixed` and the threshold for `threshold`; e.g.
-    `nospec=none:none`, `ngram7=ngram:fixed:7`, `b=http://127.0.0.1:8001`."""
+    `nospec=none:none`, `ngram7=ngram:fixed:7`, `b=http://127.0.0.1:8001`. A learned drafter's
+    arm may end in `:bf16=on` or `:bf16=off` (its bfloat16 path on the CPU, dspark.models.cpu_kernels),
+    e.g. `exact=default:dspark:bf16=off`."""
+    name, sep, value = spec.partition("=")
+    if sep and ":bf16=" in value and not value.startswith(("http://", "https://")):
+        value, _, bf16 = value.rpartition(":bf16=")
+        return Arm(**{**_parse_plain_arm(f"{name}={value}").as_dict(), "drafter_bf16": bf16})
+    return _parse_plain_arm(spec)
+
+
+def _parse_plain_arm(spec: str) -> Arm:
     name, sep, value = spec.partition("=")
     if not sep or not name or not value:
         raise UserError(f"bad arm {spec!r}: use NAME=DRAFTER:POLICY[:OPTION] or NAME=http://127.0.0.1:PORT")

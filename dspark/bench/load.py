@@ -164,7 +164,8 @@ class InProcessBackend:
             from dspark.engine.profile import ProfileSettings, profile_engine
 
             model, loaded = self.loaded.model, self.loaded
-            drafter = load_drafter(arm.drafter, model, block_size=arm.block_size, embedded=self.embedded)
+            drafter = load_drafter(arm.drafter, model, block_size=arm.block_size, embedded=self.embedded,
+                                   bf16=arm.drafter_bf16)
             cost = None
             if arm.policy in ("dspark", "dspark-async"):
                 settings = self.profile or ProfileSettings(max_requests=min(16, self.engine_config.max_running))

@@ -257,9 +257,11 @@ def _match_tensors(drafter, tensors: dict[str, torch.Tensor], folder: Path) -> d
     return tensors
 
 
-def load_drafter_folder(folder: str | Path, target, *, dtype: torch.dtype = torch.float32) -> TrainableDrafter:
+def load_drafter_folder(folder: str | Path, target, *, dtype: torch.dtype = torch.float32,
+                        bf16: str | None = None) -> TrainableDrafter:
     """Load a drafter folder for `target` (an object with `config: TargetConfig`,
-    `embed_tokens: nn.Embedding`, `lm_head_weight: Tensor [V, D]`)."""
+    `embed_tokens: nn.Embedding`, `lm_head_weight: Tensor [V, D]`). `bf16`: the CPU kernels'
+    bfloat16 path for many rows, auto / on / off (None: `DSPARK_DRAFTER_BF16`, dspark.models.cpu_kernels)."""
     folder = Path(folder)
     cfg = _read_config(folder)
     kind = _kind_of(cfg, folder)
@@ -286,7 +288,7 @@ def load_drafter_folder(folder: str | Path, target, *, dtype: torch.dtype = torc
     from dspark.models.cpu_kernels import enable_drafter_cpu_kernels, has_cpu_kernels
 
     if has_cpu_kernels(target):  # a target served with the CPU kernel: its drafter gets it too
-        enable_drafter_cpu_kernels(drafter, target)
+        enable_drafter_cpu_kernels(drafter, target, bf16)
     return drafter
 
 

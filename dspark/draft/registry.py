@@ -22,11 +22,13 @@ def shipped_default(name: str = "default") -> Path | None:
     return folder if (folder / "config.json").is_file() else None
 
 
-def load_drafter(spec: str, target, *, block_size: int | None = None, embedded: bool = True) -> Drafter:
+def load_drafter(spec: str, target, *, block_size: int | None = None, embedded: bool = True,
+                 bf16: str | None = None) -> Drafter:
     """Build the drafter named by `spec` for `target` (a TargetModel).
 
     `block_size` overrides the model-free drafters' block size; a learned
-    drafter keeps the block size it was trained with.
+    drafter keeps the block size it was trained with. `bf16` (auto / on / off; None:
+    `DSPARK_DRAFTER_BF16`) is a learned drafter's bfloat16 path on the CPU (dspark.models.cpu_kernels).
     """
     if spec == "none":
         return NoDrafter(block_size or 1)
@@ -55,4 +57,4 @@ def load_drafter(spec: str, target, *, block_size: int | None = None, embedded: 
         )
     from dspark.draft.checkpoint import load_drafter_folder  # learned drafters need model code
 
-    return load_drafter_folder(path, target)
+    return load_drafter_folder(path, target, bf16=bf16)

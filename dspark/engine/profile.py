@@ -363,7 +363,9 @@ def profile_engine(
     name = f"{drafter_id}|G={drafter.block_size}"
     key = profile_key(model_id, name, dtype, device, settings, extra)
     forward_key = profile_key(model_id, f"{name}|forward", dtype, device, settings, extra)
-    draft_key = profile_key(model_id, f"{name}|draft", dtype, device, settings, extra)
+    bf16_rows = drafter.__dict__.get("cpu_kernels_bf16_rows")  # its bfloat16 path (cpu_kernels) sets D(R) alone
+    draft_name = f"{name}|draft" if bf16_rows is None else f"{name}|draft|bf16>={bf16_rows}"
+    draft_key = profile_key(model_id, draft_name, dtype, device, settings, extra)
     kernel = has_cpu_kernels(target)  # its row groups make step time jump at multiples of ROW_GROUP
     budgets = settings.budgets(drafter.block_size, row_group=ROW_GROUP if kernel else None, row_group_until=MAX_ROWS)
     counts = budget_grid(settings.max_requests, dense_until=settings.dense_until, ratio=settings.ratio)

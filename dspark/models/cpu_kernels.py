@@ -64,6 +64,19 @@ computes the result), so it can make a forward slower, never wrong. It also
 steps aside whenever autograd would need it (training). Results differ from
 `F.linear` by float32 rounding only (another summation order), as
 `F.linear`'s own kernels differ between row counts.
+
+A drafter's kernels have one more path (`enable_drafter_cpu_kernels`). On a CPU with AMX tiles for
+bfloat16 (the only kind of bfloat16 hardware measured so far) a product of `DRAFTER_BF16_FROM_ROWS` rows or more
+runs as a bfloat16 matmul with float32 output: the blocks of two or more requests drafted
+together, and the batched projection of their committed context. On the AMX CPU of session 38
+that makes a drafting round of 2-16 requests 1.3-1.7x faster and the context projection 1.7-2.7x
+(one thread); at one request's 7-row block the two are level, so that stays on the kernel
+(`python -m dspark.bench.draft_bf16`, docs/DRAFTING.md).
+A drafter's arithmetic only decides what is proposed: the verifier is handed the probabilities
+the drafts were actually drawn from, so the output distribution does not change. The target
+never takes this path: plain decoding and verification must compute the same logits for the
+same token. `DSPARK_DRAFTER_BF16` = `auto` (the default: where the CPU has the instructions),
+`on` or `off` overrides the choice, as does the `bf16` argument of the drafter loaders.
 """
 
 from __future__ import annotations
@@ -82,6 +95,7 @@ import torch
 
 from dspark.models.layers import linear
 
+DRAFTER_BF16_FROM_ROWS = 8  # a drafter's products of this many rows or more run in bfloat16 where that is fast
 MAX_ROWS = 48  # row counts up to this go through the kernel; from about 64 rows F.linear is as fast (docs/BENCHMARKS.md)
 PANEL = 8  # outputs per packed panel (one AVX2 register of float32)
 ROW_GROUP = 8  # rows multiplied together (csrc ROW_GROUP): a 9th row costs a second pass over W
@@ -453,8 +467,13 @@ class CpuKernel:
     the most compact packed copy that rebuilds the weight exactly (`PACKERS`), else float32 panels.
     `formats` limits the compact forms tried (all of them by default)."""
 
-    def __init__(self, weight: torch.Tensor, kernels: RowGemm, *, formats: tuple[str, ...] = tuple(PACKERS)) -> None:
+    def __init__(self, weight: torch.Tensor, kernels: RowGemm, *, formats: tuple[str, ...] = tuple(PACKERS),
+                 bf16_from_rows: int | None = None) -> None:
         self.weight = weight
+        # a drafter's products of at least this many rows: bfloat16 matmul, float32 out (None: never)
+        self.bf16_from_rows = bf16_from_rows
+        self.weight_bf16 = None if bf16_from_rows is None else weight.detach().to(torch.bfloat16)
+        self.bf16_calls = 0
         self.format, self.panels = "f32", None
         for name in formats:
             packed = PACKERS[name](weight)
@@ -475,16 +494,21 @@ class CpuKernel:
         """x [..., in] -> [..., out]; falls back to `linear` whenever the kernel does not apply."""
         out, n = self.weight.shape
         rows = x.numel() // max(n, 1)
-        usable = (
-            1 <= rows <= MAX_ROWS
-            and x.shape[-1] == n  # else `linear` raises the shape error (the C code would read out of bounds)
+        plain = (
+            x.shape[-1] == n  # else `linear` raises the shape error (the C code would read out of bounds)
             and x.device.type == "cpu"
             and x.dtype == torch.float32
             and self._current_stamp() == self._stamp
             and (bias is None or (bias.dtype == torch.float32 and bias.numel() == out))
             and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))  # no autograd in C
         )
-        if not usable:
+        if plain and self.bf16_from_rows is not None and rows >= self.bf16_from_rows:
+            y = torch.nn.functional.linear(x.reshape(rows, n).to(torch.bfloat16), self.weight_bf16).float()
+            if bias is not None:
+                y += bias
+            self.bf16_calls += 1
+            return y.reshape(*x.shape[:-1], out)
+        if not (plain and 1 <= rows <= MAX_ROWS):
             return linear(x, self.weight, bias)
         flat = x.reshape(rows, n).contiguous()
         b = None if bias is None else bias.detach().contiguous()
@@ -535,18 +559,39 @@ def disable_cpu_kernels(model) -> None:
     model.__dict__.pop("head_kernel", None)
 
 
-def enable_drafter_cpu_kernels(drafter, target=None) -> bool:
+DRAFTER_BF16_CHOICES = ("auto", "on", "off")
+
+
+def drafter_bf16_from_rows(choice: str | None = None) -> int | None:
+    """From how many rows a drafter's products run in bfloat16 (module docstring): `DRAFTER_BF16_FROM_ROWS`
+    where the CPU has AMX tiles for bfloat16 (the only kind measured so far), else None. `choice` on / off
+    overrides that (None: the environment's `DSPARK_DRAFTER_BF16`, else auto)."""
+    from dspark.models.device import cpu_has_amx_bf16
+
+    name = "drafter bf16 choice" if choice is not None else "DSPARK_DRAFTER_BF16"
+    choice = (os.environ.get("DSPARK_DRAFTER_BF16", "auto") if choice is None else choice).strip().lower()
+    if choice not in DRAFTER_BF16_CHOICES:
+        raise ValueError(f"{name}={choice!r}: use auto, on or off")
+    if choice == "off" or (choice == "auto" and not cpu_has_amx_bf16()):
+        return None
+    return DRAFTER_BF16_FROM_ROWS
+
+
+def enable_drafter_cpu_kernels(drafter, target=None, bf16: str | None = None) -> bool:
     """Give a float32 CPU drafter the kernel on every `Linear` and on its LM head (the draft
-    vocabulary's rows, or the target's head kernel when it drafts over the whole vocabulary).
+    vocabulary's rows, or the target's head kernel when it drafts over the whole vocabulary),
+    with the bfloat16 path for many rows where the CPU has it (`drafter_bf16_from_rows(bf16)`).
     For serving: under autograd the kernels step aside. False (nothing changed) as above."""
     from dspark.models.layers import Linear
 
     kernels = rowgemm()[0]
     if kernels is None or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in drafter.parameters()):
         return False
+    bf16_rows = drafter_bf16_from_rows(bf16)
     for module in drafter.modules():
         if isinstance(module, Linear):
-            module.cpu_kernel = CpuKernel(module.weight, kernels)
+            module.cpu_kernel = CpuKernel(module.weight, kernels, bf16_from_rows=bf16_rows)
+    drafter.__dict__["cpu_kernels_bf16_rows"] = bf16_rows
     drafter.__dict__["cpu_kernels_target"] = target  # not `drafter.x = target`: that would register a submodule
     if hasattr(drafter, "refresh_head_kernel"):
         drafter.refresh_head_kernel()

@@ -71,6 +71,29 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown-cpu"
 
 
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where that file does not exist)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware: AMX or AVX512-BF16. Without them bfloat16
+    matmuls work but run slower than float32."""
+    return bool({"amx_bf16", "avx512_bf16"} & _cpu_flags())
+
+
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU has AMX tiles for bfloat16 (Intel Xeon since Sapphire Rapids)."""
+    return "amx_bf16" in _cpu_flags()
+
+
 def hardware_id(device: torch.device | str = "cpu") -> str:
     """The machine as far as step time is concerned: device model, threads, torch version."""
     device = torch.device(device)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dspark.errors import UserError
-from dspark.models.device import resolve_device
+from dspark.models.device import cpu_has_native_bf16, resolve_device
 from dspark.train import checkpoint as ckpt
 from dspark.train.anchors import make_batch, sample_seed
 from dspark.train.calibrate import DEFAULT_BINS, plot_reliability, position_metrics, sts_fit
@@ -27,7 +27,7 @@ from dspark.train.config import TrainConfig, load_config
 from dspark.train.data import SequenceStore
 from dspark.train.draft_vocab import count_answer_tokens, rank_tokens
 from dspark.train.features import CACHE_META, CachedFeatures, OnlineFeatures, build_feature_cache
-from dspark.train.trainer import DistInfo, DrafterIO, Trainer, autocast_bf16, cpu_has_native_bf16, freeze_shared
+from dspark.train.trainer import DistInfo, DrafterIO, Trainer, autocast_bf16, freeze_shared
 
 MAX_EVAL_SEQUENCES = 256  # held-out sequences evaluated at the end of training
 

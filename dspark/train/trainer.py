@@ -52,17 +52,6 @@ def autocast_bf16(precision: str, device: torch.device) -> bool:
     return precision == "bf16" or (precision == "auto" and device.type == "cuda")
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (AMX or AVX512-BF16, read from
-    /proc/cpuinfo; False where that file does not exist). Without it, bf16 autocast on the CPU
-    works but runs slower than float32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
 @dataclass
 class DistInfo:
     """This process's place in a data-parallel run (rank 0 of 1 when alone)."""
