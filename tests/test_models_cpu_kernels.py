@@ -470,8 +470,10 @@ def test_drafter_bf16_path_takes_the_many_row_products(kind: str, cfg: dict, mon
     monkeypatch.setenv("DSPARK_DRAFTER_BF16", "off")
     assert drafter_bf16_from_rows() is None
     monkeypatch.setenv("DSPARK_DRAFTER_BF16", "maybe")
-    with pytest.raises(ValueError, match="DSPARK_DRAFTER_BF16='maybe': use auto, on or off"):
-        drafter_bf16_from_rows()
+    from dspark.errors import UserError
+
+    with pytest.raises(UserError, match="DSPARK_DRAFTER_BF16='maybe': use auto, on or off"):
+        drafter_bf16_from_rows()  # the CLI prints it as one line, no traceback
     assert CpuKernel(layer.weight, cpu_kernels.rowgemm()[0]).weight_bf16 is None  # the target's kernels: never
 
 

@@ -72,7 +72,8 @@ class DraftVocabMixin:
         if kernels is None:
             return
         if self.draft_lm_head is not None:
-            self.head_kernel = CpuKernel(self.draft_lm_head, kernels, bf16_from_rows=self.__dict__.get("cpu_kernels_bf16_rows"))
+            bf16_rows = self.__dict__.get("cpu_kernels_bf16_rows")  # the drafter's bfloat16 path, if it has one
+            self.head_kernel = CpuKernel(self.draft_lm_head, kernels, bf16_from_rows=bf16_rows)
         else:
             target = self.cpu_kernels_target  # drafting over the whole vocabulary: the target's head
             shared = None if target is None else target.__dict__.get("head_kernel")

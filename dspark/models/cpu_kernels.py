@@ -566,12 +566,13 @@ def drafter_bf16_from_rows(choice: str | None = None) -> int | None:
     """From how many rows a drafter's products run in bfloat16 (module docstring): `DRAFTER_BF16_FROM_ROWS`
     where the CPU has AMX tiles for bfloat16 (the only kind measured so far), else None. `choice` on / off
     overrides that (None: the environment's `DSPARK_DRAFTER_BF16`, else auto)."""
+    from dspark.errors import UserError
     from dspark.models.device import cpu_has_amx_bf16
 
     name = "drafter bf16 choice" if choice is not None else "DSPARK_DRAFTER_BF16"
     choice = (os.environ.get("DSPARK_DRAFTER_BF16", "auto") if choice is None else choice).strip().lower()
     if choice not in DRAFTER_BF16_CHOICES:
-        raise ValueError(f"{name}={choice!r}: use auto, on or off")
+        raise UserError(f"{name}={choice!r}: use auto, on or off")
     if choice == "off" or (choice == "auto" and not cpu_has_amx_bf16()):
         return None
     return DRAFTER_BF16_FROM_ROWS
