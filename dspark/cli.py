@@ -184,11 +184,13 @@ def _parser() -> argparse.ArgumentParser:
     bs.add_argument("--out", default="runs/load", help="folder for JSON and plots")
     bs.add_argument("--name", default="load", help="file stem: OUT/NAME.json, OUT/NAME_throughput_vs_tps.png, ...")
     _add_target_args(bs)
-    bt = bsub.add_parser("train-step", help="a recipe's training step per draft vocabulary size and precision")
+    bt = bsub.add_parser("train-step", help="a recipe's training step per draft vocabulary size, precision and anchor count")
     bt.add_argument("config", help="training recipe, e.g. configs/dspark-960-t1-r256-5l-v8k.toml")
     bt.add_argument("--sizes", default="0,8192", help="draft vocabulary sizes, comma separated (0 = whole vocabulary)")
     bt.add_argument("--precisions", default=None,
                     help="[optim] precision of each arm, comma separated: auto, bf16, fp32 (default: the recipe's own)")
+    bt.add_argument("--anchors", default=None,
+                    help="[optim] anchors_per_seq of each arm, comma separated (default: the recipe's own)")
     bt.add_argument("--repeats", type=int, default=8, help="timed steps per arm")
     bt.add_argument("--warmup", type=int, default=2, help="untimed steps per arm first")
     bt.add_argument("--out", default=None, help="also write the result as JSON here")
@@ -420,8 +422,9 @@ def cmd_bench(args) -> int:
         from dspark.bench.train_step import run_train_step_bench
 
         precisions = None if args.precisions is None else [p.strip() for p in args.precisions.split(",")]
+        anchors = None if args.anchors is None else list(_ints(args.anchors, "--anchors"))
         run_train_step_bench(args.config, list(_ints(args.sizes, "--sizes")), repeats=args.repeats,
-                             warmup=args.warmup, out=args.out, precisions=precisions)
+                             warmup=args.warmup, out=args.out, precisions=precisions, anchors=anchors)
     elif args.bench == "bigram-fit":
         from dspark.bench.bigram_fit import BigramFitSettings, run_bigram_fit
 

@@ -48,7 +48,14 @@ def test_one_row_per_size_and_precision(tmp_path):
     result = time_train_steps(recipe, [24], repeats=1, warmup=0, progress=False, precisions=["fp32", "bf16"])
     assert [(r["draft_vocab_size"], r["precision"]) for r in result["rows"]] == [(24, "fp32"), (24, "bf16")]
     table = format_table(result)
-    assert "| 24 | fp32 |" in table and "| 24 | bf16 |" in table and "step vs (24, fp32)" in table
+    assert "| 24 | fp32 |" in table and "| 24 | bf16 |" in table and "step vs (24, fp32, 4)" in table
+
+
+def test_one_row_per_anchor_count_with_more_blocks_each(tmp_path):
+    recipe = _recipe(tmp_path)
+    result = time_train_steps(recipe, [24], repeats=1, warmup=0, progress=False, anchors=[2, 8])
+    assert [(r["draft_vocab_size"], r["anchors_per_seq"]) for r in result["rows"]] == [(24, 2), (24, 8)]
+    assert "| 24 | auto | 8 |" in format_table(result)  # the recipe's own precision
 
 
 def test_bad_sizes_are_refused(tmp_path, capsys):
@@ -61,6 +68,8 @@ def test_bad_sizes_are_refused(tmp_path, capsys):
     assert "not below the target's 96 tokens" in capsys.readouterr().err
     assert main(["bench", "train-step", str(recipe), "--sizes", "0", "--precisions", "fp32,half"]) == 2
     assert "--precisions half: use auto, bf16, fp32" in capsys.readouterr().err
+    assert main(["bench", "train-step", str(recipe), "--sizes", "0", "--anchors", "16,0"]) == 2
+    assert "anchors per sequence are in [1, 1024]" in capsys.readouterr().err
 
 
 def test_the_command_prints_the_table_and_writes_json(tmp_path, capsys):

@@ -432,3 +432,63 @@ def test_draft_vocab_size_refusals(tmp_path):
     with pytest.raises(UserError, match="not below the target's 96 tokens"):
         run_train(_vocab_recipe(tmp_path, "dspark", 96, "run-all"))
     assert not (tmp_path / "run-all" / "checkpoints").exists()
+
+
+def _from_recipe(tmp_path: Path, source: Path, out: str, steps: int = 2, seed: int = 5, **drafter) -> Path:
+    recipe = _vocab_recipe(tmp_path, "dspark", 24, out, steps=steps)
+    cfg = json.loads(recipe.read_text())
+    cfg["run"]["seed"] = seed  # another random draw than the source's: what the run starts from must be the source
+    cfg["drafter"]["init_from"] = str(source)
+    cfg["drafter"].update(drafter)
+    recipe.write_text(json.dumps(cfg))
+    return recipe
+
+
+def test_init_from_starts_every_trained_weight_from_a_saved_drafter(tmp_path):
+    """[drafter] init_from copies every trained tensor of a saved drafter of the same shape; the run
+    then trains from there on its own schedule (a few small steps end near the source, far from
+    a fresh draw), keeps DSpark's Markov rows outside its draft vocabulary at zero, and a run
+    stopped and resumed ends where an uninterrupted one does (the checkpoint, not the source, wins)."""
+    from dspark.train.run import build_recipe_drafter, start_from_drafter
+
+    source = run_train(_vocab_recipe(tmp_path, "dspark", 24, "run-source"))
+    target = load_target(str(tiny_hf_folder(tmp_path)))
+    saved = load_drafter_folder(source, target.model).state_dict()
+    cfg = load_config(_from_recipe(tmp_path, source, "run-from"))
+    ranking = load_drafter_folder(source, target.model).draft_ranking
+    fresh = build_recipe_drafter(cfg, target, target.model, ranking, torch.device("cpu"))
+    assert any(not torch.equal(v, saved[k]) for k, v in fresh.state_dict().items())
+    line = start_from_drafter(fresh, str(source), target.model, ranking, 24)
+    assert "every trained weight started from" in line and "24 of this recipe's 24 draft tokens" in line
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+
+    final = run_train(_from_recipe(tmp_path, source, "run-from", steps=2))
+    trained = load_drafter_folder(final, target.model).state_dict()
+    moved = max((trained[k] - v).abs().max().item() for k, v in saved.items())
+    assert 0 < moved < 0.02  # 2 AdamW steps at lr 3e-3 move little
+    w2 = load_file(str(final / "model.safetensors"))["markov_head.markov_w2.weight"].float()
+    outside = torch.ones(w2.shape[0], dtype=torch.bool)
+    outside[ranking[:24]] = False
+    assert bool((w2[outside] == 0).all())
+    assert json.loads((final.parent / "train_config.json").read_text())["drafter"]["init_from"] == str(source)
+
+    stopped = _from_recipe(tmp_path, source, "run-from-b", steps=2)
+    run_train(stopped, stop_at_step=1)
+    resumed = load_drafter_folder(run_train(stopped), target.model).state_dict()
+    for name, value in trained.items():
+        assert torch.equal(value, resumed[name]), name
+
+
+def test_init_from_refuses_another_drafter(tmp_path):
+    source = run_train(_vocab_recipe(tmp_path, "dspark", 24, "run-source", steps=2))
+    with pytest.raises(UserError, match="remove markov_init"):
+        config_from_dict({"drafter": {"init_from": str(source), "markov_init": "pmi"}})
+    with pytest.raises(UserError, match="is not a drafter folder"):
+        run_train(_from_recipe(tmp_path, tmp_path / "nowhere", "run-x"))
+    with pytest.raises(UserError, match="markov_rank: 8 there, 4 here"):
+        run_train(_from_recipe(tmp_path, source, "run-x", options={"num_hidden_layers": 1, "markov_rank": 4,
+                                                                     "intermediate_size": 64}))
+    with pytest.raises(UserError, match="block_size: 3 there, 4 here"):
+        run_train(_from_recipe(tmp_path, source, "run-x", block_size=4))
+    assert not (tmp_path / "run-x" / "checkpoints").exists()  # refused before any training

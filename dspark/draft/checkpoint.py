@@ -139,7 +139,7 @@ def save_drafter(
     return folder
 
 
-def _read_config(folder: Path) -> dict:
+def read_config(folder: Path) -> dict:
     from dspark.models.loading import read_json_object
 
     return read_json_object(
@@ -149,7 +149,7 @@ def _read_config(folder: Path) -> dict:
     )
 
 
-def _kind_of(cfg: dict, folder: Path) -> str:
+def kind_of(cfg: dict, folder: Path) -> str:
     kind = cfg.get("drafter_type")
     if kind is None:  # a DeepSpec folder: infer from the architecture
         arch = " ".join(cfg.get("architectures") or [])
@@ -232,7 +232,17 @@ def _check_shared(name: str, saved: torch.Tensor, ours: torch.Tensor, folder: Pa
         )
 
 
-def _match_tensors(drafter, tensors: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
+def trained_tensors(folder: Path, cfg: dict, embed: torch.Tensor, lm_head: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A drafter folder's trained tensors by name, its copies of the target's shared embedding and
+    LM head (if saved) checked against `embed` and `lm_head` and left out."""
+    tensors = _read_weights(folder, cfg)
+    for name, ours in zip(SHARED, (embed, lm_head)):
+        if name in tensors:
+            _check_shared(name, tensors.pop(name), ours, folder)
+    return tensors
+
+
+def match_tensors(drafter, tensors: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
     """Refuse missing, extra or mis-shaped tensors, naming the first offenders."""
     expected = drafter.state_dict()
     missing = sorted(set(expected) - set(tensors))
@@ -263,8 +273,8 @@ def load_drafter_folder(folder: str | Path, target, *, dtype: torch.dtype = torc
     `embed_tokens: nn.Embedding`, `lm_head_weight: Tensor [V, D]`). `bf16`: the CPU kernels'
     bfloat16 path for many rows, auto / on / off (None: `DSPARK_DRAFTER_BF16`, dspark.models.cpu_kernels)."""
     folder = Path(folder)
-    cfg = _read_config(folder)
-    kind = _kind_of(cfg, folder)
+    cfg = read_config(folder)
+    kind = kind_of(cfg, folder)
     draft_target = _check_target(cfg, target.config, folder)
     embed, head = target.embed_tokens.weight, target.lm_head_weight
     fields = _drafter_fields(cfg, kind, folder)
@@ -273,11 +283,7 @@ def load_drafter_folder(folder: str | Path, target, *, dtype: torch.dtype = torc
         drafter = make_drafter(kind, draft_target, embed, head, fields)
     except UserError as exc:
         raise CheckpointError(f"{folder / CONFIG_NAME}: {exc}") from None
-    tensors = _read_weights(folder, cfg)
-    for name, ours in zip(SHARED, (embed, head)):
-        if name in tensors:
-            _check_shared(name, tensors.pop(name), ours, folder)
-    drafter.load_state_dict(_match_tensors(drafter, tensors, folder))
+    drafter.load_state_dict(match_tensors(drafter, trained_tensors(folder, cfg, embed, head), folder))
     drafter = drafter.to(device=embed.device, dtype=dtype)
     ranking = read_draft_vocab(folder)
     if hasattr(drafter, "set_draft_vocab") and (ranking is not None or vocab_size):
@@ -295,8 +301,8 @@ def load_drafter_folder(folder: str | Path, target, *, dtype: torch.dtype = torc
 def drafter_folder_config(folder: str | Path) -> dict:
     """A learned drafter folder's config.json, checked to name a drafter kind and a vocabulary."""
     folder = Path(folder)
-    cfg = _read_config(folder)
-    _kind_of(cfg, folder)
+    cfg = read_config(folder)
+    kind_of(cfg, folder)
     if "vocab_size" not in cfg:
         raise CheckpointError(f"{folder / CONFIG_NAME} lacks 'vocab_size'; re-save the drafter")
     return cfg
@@ -306,7 +312,7 @@ def update_config(folder: str | Path, fields: dict) -> dict:
     """Set `fields` in a drafter folder's config.json (atomically; the weights are untouched)
     -> the new config."""
     folder = Path(folder)
-    cfg = _read_config(folder)
+    cfg = read_config(folder)
     cfg.update(fields)
     _atomic_write(folder / CONFIG_NAME, (json.dumps(cfg, indent=2) + "\n").encode())
     return cfg

@@ -56,6 +56,10 @@ class DrafterSection:
     # "target" (the same, from the adjacent-token PMI the frozen target itself predicts) or
     # "pmi+target" (the answers' PMI shrunk toward the target's instead of toward 0)
     markov_init: str = "random"
+    # start every trained weight from a saved drafter folder of the same kind and shape instead
+    # ("default" / "mtp1": the shipped ones): fine-tuning or continuing a drafter on a fresh
+    # schedule. Its calibration is not carried over (calibrate the result). "" = a fresh start
+    init_from: str = ""
 
 
 @dataclass(frozen=True)
@@ -183,6 +187,9 @@ def validate(cfg: TrainConfig) -> None:
             cfg.drafter.kind != "dspark" or cfg.drafter.options.get("markov_head_type", "vanilla") == "none"):
         raise UserError(f"[drafter] markov_init = {cfg.drafter.markov_init!r} starts DSpark's Markov head; "
                         "it needs kind = \"dspark\" with a Markov head (markov_head_type other than \"none\")")
+    if cfg.drafter.init_from and (cfg.drafter.markov_init != "random" or cfg.drafter.init_from_target_layers):
+        raise UserError("[drafter] init_from starts every trained weight from a saved drafter; remove markov_init "
+                        "and init_from_target_layers, which would be overwritten")
     if cfg.drafter.block_size + 2 > cfg.data.max_seq_len:
         raise UserError("[data] max_seq_len must exceed [drafter] block_size + 1")
 

@@ -165,6 +165,48 @@ def build_recipe_drafter(cfg: TrainConfig, target, model, ranking: torch.Tensor,
     return drafter
 
 
+# config.json keys that do not change what a drafter's weights mean (a new run sets them itself)
+NOT_ARCHITECTURE = frozenset({"calibration_temperatures", "draft_vocab_size", "num_anchors", "torch_dtype",
+                              "transition_top_k"})
+
+
+def start_from_drafter(drafter, spec: str, model, ranking: torch.Tensor, size: int) -> str:
+    """[drafter] init_from: copy a saved drafter's trained weights into the recipe's freshly built
+    `drafter` (same kind, same shapes; the target's shared tensors are checked, not copied) and
+    say what was copied. A DSpark Markov transition keeps zero rows outside this recipe's draft
+    vocabulary (`restrict_to_draft_vocab`), whatever the source drafted among."""
+    from dspark.draft import checkpoint as dck
+    from dspark.draft.registry import SHIPPED, shipped_default
+
+    folder = shipped_default(spec) if spec in SHIPPED else Path(spec).expanduser()
+    if folder is None or not folder.is_dir():
+        raise UserError(f"[drafter] init_from = {spec!r} is not a drafter folder; give the folder a training run "
+                        "wrote (OUT_DIR/drafter), or default / mtp1 for the shipped ones")
+    cfg = dck.read_config(folder)
+    dck.kind_of(cfg, folder)
+    ours = dck.drafter_config_dict(drafter)
+    differ = [key for key in sorted(ours) if key not in NOT_ARCHITECTURE and cfg.get(key) != ours[key]]
+    if differ:
+        shown = "; ".join(f"{key}: {cfg.get(key)!r} there, {ours[key]!r} here" for key in differ[:4])
+        raise UserError(f"[drafter] init_from = {spec!r} describes another drafter than this recipe ({shown}); "
+                        "make [drafter] and [drafter.options] match its config.json")
+    tensors = dck.trained_tensors(folder, cfg, model.embed_tokens.weight, model.lm_head_weight)
+    tensors = dck.match_tensors(drafter, tensors, folder)
+    params = dict(drafter.named_parameters())
+    with torch.no_grad():
+        for name, value in tensors.items():
+            target = params[name] if name in params else drafter.get_buffer(name)
+            target.copy_(value.to(dtype=target.dtype, device=target.device))
+    line = f"every trained weight started from {folder} ({len(tensors)} tensors)"
+    if size and getattr(drafter, "markov_head", None) is not None:
+        restrict_to_draft_vocab(drafter, ranking, size)  # zero rows outside this recipe's tokens again
+        source = dck.read_draft_vocab(folder)
+        if source is not None and cfg.get("draft_vocab_size"):
+            shared = len(set(ranking[:size].tolist()) & set(source[: int(cfg["draft_vocab_size"])].tolist()))
+            line += f"; {shared} of this recipe's {size} draft tokens were the source's"
+    return line
+
+
 def _start_markov(cfg, drafter, model, store, train, ranking, counts, verbose: bool) -> None:
     """Write the recipe's Markov start ([drafter] markov_init, dspark.train.markov_init) into
     the drafter's Markov head, and say what it did."""
@@ -218,6 +260,10 @@ def run_train(config_path: str | Path, *, resume: bool = True, stop_at_step: int
     resuming = resume and ckpt.latest_checkpoint(Path(cfg.run.out_dir)) is not None
     if cfg.drafter.markov_init != "random" and not resuming:  # every rank computes the same start
         _start_markov(cfg, drafter, model, store, train, ranking, counts, info.rank == 0)
+    if cfg.drafter.init_from and not resuming:  # every rank reads the same file
+        started = start_from_drafter(drafter, cfg.drafter.init_from, model, ranking, cfg.drafter.draft_vocab_size)
+        if info.rank == 0:
+            print(f"dspark train: {started}")
     out_dir = Path(cfg.run.out_dir)
     if info.rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
