@@ -51,7 +51,7 @@ def time_train_steps(config_path: str | Path, sizes: list[int], repeats: int = 8
     from tqdm import tqdm
 
     from dspark.models.loading import load_target
-    from dspark.train.config import PRECISIONS
+    from dspark.train.config import PRECISIONS, bounds
     from dspark.train.data import SequenceStore
     from dspark.train.draft_vocab import count_answer_tokens, rank_tokens
     from dspark.train.run import _check_data, _features, build_recipe_drafter, drafter_io
@@ -67,8 +67,9 @@ def time_train_steps(config_path: str | Path, sizes: list[int], repeats: int = 8
     if unknown:
         raise UserError(f"--precisions {','.join(unknown)}: use {', '.join(PRECISIONS)}")
     anchors = list(anchors or [cfg.optim.anchors_per_seq])
-    if any(not 1 <= a <= 1024 for a in anchors):
-        raise UserError(f"--anchors {','.join(map(str, anchors))}: anchors per sequence are in [1, 1024]")
+    low, high = bounds("optim", "anchors_per_seq")
+    if any(not low <= a <= high for a in anchors):
+        raise UserError(f"--anchors {','.join(map(str, anchors))}: anchors per sequence are in [{low}, {high}]")
     info = DistInfo()
     target = load_target(cfg.target.path or None, cpu_kernels=True)
     model = target.model.eval()

@@ -158,6 +158,11 @@ _BOUNDS: dict[tuple[str, str], tuple[float | None, float | None]] = {
 }
 
 
+def bounds(section: str, name: str) -> tuple:
+    """The [low, high] a recipe's `[section] name` must lie in (None: unbounded)."""
+    return _BOUNDS[section, name]
+
+
 def validate(cfg: TrainConfig) -> None:
     """Check every bound and choice; raise UserError naming the key."""
     for (section, name), (low, high) in _BOUNDS.items():

@@ -191,12 +191,7 @@ def start_from_drafter(drafter, spec: str, model, ranking: torch.Tensor, size: i
         raise UserError(f"[drafter] init_from = {spec!r} describes another drafter than this recipe ({shown}); "
                         "make [drafter] and [drafter.options] match its config.json")
     tensors = dck.trained_tensors(folder, cfg, model.embed_tokens.weight, model.lm_head_weight)
-    tensors = dck.match_tensors(drafter, tensors, folder)
-    params = dict(drafter.named_parameters())
-    with torch.no_grad():
-        for name, value in tensors.items():
-            target = params[name] if name in params else drafter.get_buffer(name)
-            target.copy_(value.to(dtype=target.dtype, device=target.device))
+    drafter.load_state_dict(dck.match_tensors(drafter, tensors, folder))  # copies into our dtype and device
     line = f"every trained weight started from {folder} ({len(tensors)} tensors)"
     if size and getattr(drafter, "markov_head", None) is not None:
         restrict_to_draft_vocab(drafter, ranking, size)  # zero rows outside this recipe's tokens again
