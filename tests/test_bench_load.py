@@ -218,6 +218,9 @@ def test_goals_on_fabricated_rows():
     # scheduler curve (13, 13) -> (31, 8): at 25 tok/s it gives 13 - 5 * 12/18 = 9.67 tok/s/user
     assert matched["status"] == "met" and len(matched["checks"]) == 1  # mtp1 at 12 tok/s is outside 13..31
     assert matched["min_ratio"] == pytest.approx(9.6667 / 4, rel=1e-3)
+    # the control: no speculation's frontier (10, 10) -> (30, 7) at 25 tok/s gives 10 - 3 * 15/20 = 7.75
+    assert matched["control_min_ratio"] == pytest.approx(7.75 / 4)
+    assert "no speculation reads 1.94x" in "\n".join(goal_lines([matched]))
     rows[2] = _row("dspark", 1, 11, 11, 1.0)  # now 3 below the best baseline, noise sqrt(2)
     rows[7] = _row("mtp1", 4, 25, 7)  # scheduler at 25 tok/s: 11 - 3 * 14/20 = 8.9 -> 1.27x
     throughput, matched = check_goals(rows, [], roles)

@@ -56,6 +56,8 @@ def goal_lines(goals: list[dict]) -> list[str]:
                 line += f" ({g['partial']})"
         else:
             line += f"; smallest ratio {g['min_ratio']:.2f}x over {len(g['checks'])} matched point(s)"
+            if g.get("control_min_ratio") is not None:
+                line += f" (no speculation reads {g['control_min_ratio']:.2f}x by the same check)"
         lines.append(line)
     return lines
 
