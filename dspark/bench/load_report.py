@@ -170,16 +170,16 @@ def matched_speed_goal(rows: list[dict], scheduler: str, roles: GoalRoles) -> di
         return {"goal": "matched_speed", "arm": scheduler, "status": "not measurable",
                 "why": f"needs closed-loop points of {scheduler} (>= 2 on its frontier) and {roles.mtp}"}
     xs, ys = [t for t, _ in sched], [u for _, u in sched]
-    plain = curve(roles.nospec)
+    plain = curve(roles.nospec)  # the control
+    pxs, pys = [t for t, _ in plain], [u for _, u in plain]
     checks = []
     for t, u in mtp:
         if not (xs[0] <= t <= xs[-1] and u > 0):
             continue
-        check = {"throughput": t, "mtp_tps_user": u, "scheduler_tps_user": _interp(t, xs, ys),
-                 "ratio": _interp(t, xs, ys) / u, "nospec_ratio": None}
-        if len(plain) >= 2 and plain[0][0] <= t <= plain[-1][0]:  # the control, where its frontier reaches t
-            check["nospec_ratio"] = _interp(t, [p for p, _ in plain], [q for _, q in plain]) / u
-        checks.append(check)
+        speed = _interp(t, xs, ys)
+        control = _interp(t, pxs, pys) / u if len(plain) >= 2 and pxs[0] <= t <= pxs[-1] else None
+        checks.append({"throughput": t, "mtp_tps_user": u, "scheduler_tps_user": speed, "ratio": speed / u,
+                       "nospec_ratio": control})
     if not checks:
         return {"goal": "matched_speed", "arm": scheduler, "status": "not measurable",
                 "why": f"no {roles.mtp} throughput inside {scheduler}'s range {xs[0]:.1f}..{xs[-1]:.1f} tok/s"}
