@@ -127,6 +127,33 @@ def test_probes_back_off_while_they_find_nothing_and_reset_when_drafting_pays():
         DraftGate(_split(50, 5, 40), probe_every=8, max_probe_every=4)
 
 
+def test_probes_back_off_per_load_class():
+    """Whether drafting pays depends on the batch size, so the back-off is kept per load class
+    (1, 2-3, 4-7, ...): a small batch where drafting pays (a closed loop's steps that prefill a
+    new request) does not reset the probes of the big batch where it does not (session 42)."""
+    gate = DraftGate(_split(50, 5, 10), probe_every=3)
+    gate.record([_req("a", [0.1])])
+    for _ in range(40):  # one request, poor curves: the interval backs off to 12
+        if gate.choose(["a"])[0]:
+            gate.record([_req("a", [0.1])])
+    assert gate.probe_interval == 12 and gate.load_class == 1
+    # four requests with predictable text: drafting pays at this load (class 3)
+    gate.record([_req(r, [0.99, 0.99, 0.99]) for r in "bcde"])
+    assert any(gate.choose(list("bcde"))) and gate.probe_interval == 3 and gate.load_class == 3
+    gate.record([_req("a", [0.1])])
+    gate.choose(["a"])
+    assert gate.load_class == 1 and gate.probe_interval == 12  # the single request's back-off holds
+    assert {c: clock.interval for c, clock in gate.clocks.items()} == {1: 12, 3: 3}
+    # steps are counted per class too: a rare small batch does not probe on the big batch's count
+    gate = DraftGate(_split(50, 5, 40), probe_every=3, max_probe_every=3)
+    gate.record([_req(r, [0.1]) for r in "abcd"])
+    decisions = [any(gate.choose(["a"] if k % 4 else list("abcd"))) for k in range(16)]
+    # each class probes on its own 4th step after its last probe: class 1 (one request, steps
+    # 1-3, 5-7, 9-11, 13-15) at 5, 10 and 15; class 3 (four requests, steps 0, 4, 8, 12) at 12.
+    # One clock for both would probe on every 4th step: 3, 7, 11, 15
+    assert [k for k, d in enumerate(decisions) if d] == [5, 10, 12, 15]
+
+
 def test_a_new_request_uses_the_mean_recent_curve_instead_of_forcing_a_draft():
     gate = DraftGate(_split(50, 5, 40))
     assert gate.choose(["a"]) == [True]  # nothing ever recorded: draft to learn

@@ -57,7 +57,13 @@ a probe of four 539 ms against 515 (run AI). Even a few is not free, so when a
 probe's fresh curves show nothing worth drafting the next probe waits twice
 as long, up to `max_probe_every` steps (default
 4 x probe_every); as soon as drafting pays for anyone the interval is back to
-`probe_every`. Measured (docs/LOAD.md, run N): at 16 clients on this CPU no
+`probe_every`. The interval, and the count of steps since the last probe, are
+kept per load class (the batch size's power of two: 1, 2-3, 4-7, 8-15, 16-31,
+...), since whether drafting pays depends on the load: in a closed loop at 16
+clients the steps that prefill new requests decode only 10-15 of them, drafting
+pays for one or two there, and with one clock those steps kept the probes at
+every 32-64 steps while nothing paid at 16 (session 42: 7-8 probes in 400 steps,
+0.6 % of the time, most of it projecting the probed requests' prompts). Measured (docs/LOAD.md, run N): at 16 clients on this CPU no
 curve paid, and probing every 32 steps (3 % of the steps) cost about 3 % of
 throughput against no speculation. A drafter without a confidence head never
 yields a curve: the gate then drafts everyone, every step (the schedulers
@@ -102,6 +108,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 
 from dspark.schedule.base import ScheduleOutcome, ScheduleRequest, StepTiming, survival
 from dspark.schedule.cost import SplitCost
@@ -110,6 +117,15 @@ PRIOR_TOKENS = 4.0  # pseudo-count pulling the acceptance ratio towards 1 while 
 PRIOR_STEPS = 2.0  # pseudo-count pulling each cost ratio towards 1 while few steps are timed
 COST_DECAY = 0.95  # per timed step of a kind: a cost ratio follows about the last 20 steps of its kind
 RATIO_CLIP = (0.25, 4.0)  # one step's measured / priced is clipped here (a pause of the process is not a price)
+
+
+@dataclass
+class ProbeClock:
+    """The probing state of one load class (see the module docstring)."""
+
+    interval: int  # steps between probes now: doubles while probes find nothing
+    skipped: int = 0  # steps of this class since one drafted everyone or probed
+    probed: bool = False  # this class's last step probed
 
 
 class DraftGate:
@@ -139,13 +155,15 @@ class DraftGate:
         self.would_verify = would_verify or (lambda ids, curves, chosen: self.verified_any(curves, chosen))
         self.vetoed = 0  # choices of drafts the scheduler's own walk would verify nothing of
         self.max_probe_every = max_probe_every
-        self.probe_interval = probe_every  # steps between probes now: doubles while probes find nothing
+        # per load class (len(ids).bit_length()): steps between probes, doubling while probes find
+        # nothing, and the steps of that class since its last probe
+        self.clocks: dict[int, ProbeClock] = {}
+        self.load_class = 1  # the load class of the last choice
         # accepted draft tokens realised vs predicted by the survival curves (decayed sums)
         self.realised = self.predicted = 0.0
         self.curves: dict[Hashable, list[float]] = {}  # request id -> survival curve of its last drafted round
         self.refreshed: dict[Hashable, int] = {}  # request id -> step its curve was recorded
         self.recent: deque[list[float]] = deque(maxlen=history)  # last recorded curves of any request
-        self.skipped = 0  # consecutive steps that left some request undrafted
         self.steps = 0
         self.blind = False  # a drafted request came back without confidences: no curves to be had
         self.probed = False  # the last choice included probes
@@ -155,13 +173,16 @@ class DraftGate:
 
     def choose(self, request_ids: Sequence[Hashable]) -> list[bool]:
         """Which of these requests draft this step (in order)."""
-        probed_before, self.probed = self.probed, False
-        chosen = self._choose(list(request_ids), probed_before)
-        self.skipped = 0 if all(chosen) or self.probed else self.skipped + 1
+        self.load_class = len(request_ids).bit_length()
+        clock = self.clocks.setdefault(self.load_class, ProbeClock(self.probe_every))
+        self.probed = False
+        chosen = self._choose(list(request_ids), clock)
+        clock.probed = self.probed
+        clock.skipped = 0 if all(chosen) or self.probed else clock.skipped + 1
         self.steps += 1
         return chosen
 
-    def _choose(self, ids: list[Hashable], probed_before: bool) -> list[bool]:
+    def _choose(self, ids: list[Hashable], clock: "ProbeClock") -> list[bool]:
         if not ids or self.blind or self.drafting_is_free(len(ids)):
             return [True] * len(ids)
         if not self.recent:  # no curve was ever seen: draft some requests to learn one
@@ -177,13 +198,25 @@ class DraftGate:
         if any(chosen) and not self.would_verify(ids, raw, chosen):
             self.vetoed += 1
             chosen = [False] * len(ids)
-        if any(chosen):  # drafting pays for someone: probe at the base rate
-            self.probe_interval = self.probe_every
-        elif probed_before:  # the last step's probe brought fresh curves, and none pays: back off
-            self.probe_interval = min(self.max_probe_every, 2 * self.probe_interval)
-        if self.skipped >= self.probe_interval and not all(chosen):
+        if any(chosen):  # drafting pays for someone at this load: probe at the base rate
+            clock.interval = self.probe_every
+        elif clock.probed:  # this load's last step probed, and the fresh curves pay for none: back off
+            clock.interval = min(self.max_probe_every, 2 * clock.interval)
+        if clock.skipped >= clock.interval and not all(chosen):
             chosen = self._with_probes(ids, chosen)
         return chosen
+
+    @property
+    def probe_interval(self) -> int:
+        """Steps between probes at the load class of the last choice (see the module docstring)."""
+        clock = self.clocks.get(self.load_class)
+        return self.probe_every if clock is None else clock.interval
+
+    @property
+    def skipped(self) -> int:
+        """Steps of the last choice's load class since it last drafted everyone or probed."""
+        clock = self.clocks.get(self.load_class)
+        return 0 if clock is None else clock.skipped
 
     def drafting_is_free(self, requests: int) -> bool:
         """D(requests) <= free_fraction x F(requests): drafting everyone costs next to nothing."""
@@ -254,15 +287,20 @@ class DraftGate:
         from dspark.schedule.prefix import ranked_candidates
 
         r = len(curves)
-        best_rate, best_reached = self.plain_rate(r), frozenset()
+        cands = ranked_candidates(curves)
+        best_rate, best_n = self.plain_rate(r), 0
         reached: set[int] = set()
         accepts, drafted_ratio = float(r), self.cost_ratio("drafted")
-        for n, (request, _, a) in enumerate(ranked_candidates(curves), start=1):
+        forward_seconds, draft = self.cost.forward_seconds, [0.0]  # draft[k] = D(k), read once each
+        for n, (request, _, a) in enumerate(cands, start=1):  # R x G candidates a step: kept lean
             reached.add(request)
             accepts += a
-            rate = accepts / (self.cost.seconds(r + n, r, drafted=len(reached)) * drafted_ratio)
+            while len(draft) <= len(reached):
+                draft.append(self.cost.draft_seconds(len(draft)))
+            rate = accepts / ((forward_seconds(r + n, r) + draft[len(reached)]) * drafted_ratio)
             if rate > best_rate:
-                best_rate, best_reached = rate, frozenset(reached)
+                best_rate, best_n = rate, n
+        best_reached = {request for request, _, _ in cands[:best_n]}
         return [i in best_reached for i in range(r)]
 
     def verified_any(self, curves: Sequence[Sequence[float]], chosen: Sequence[bool]) -> bool:
