@@ -44,7 +44,7 @@ curve yet (it just started decoding) stands in with the mean of the last
 `history` curves recorded from any request (the asynchronous scheduler's
 proxy). While no curve was ever recorded, a step drafts a quarter of its
 requests (at least one, at most `max_probe`) to learn one. After `probe_every`
-consecutive steps that left some request undrafted, a step also drafts the
+consecutive steps of its load (below) that left some request undrafted, a step also drafts the
 stalest quarter of its requests, at most `max_probe` (4) of them (no curve
 first, then the oldest curves), so a request whose text turned predictable
 (code, a quotation) is noticed within max(4, R / max_probe) x probe_every
@@ -57,17 +57,21 @@ a probe of four 539 ms against 515 (run AI). Even a few is not free, so when a
 probe's fresh curves show nothing worth drafting the next probe waits twice
 as long, up to `max_probe_every` steps (default
 4 x probe_every); as soon as drafting pays for anyone the interval is back to
-`probe_every`. The interval, and the count of steps since the last probe, are
-kept per load class (the batch size's power of two: 1, 2-3, 4-7, 8-15, 16-31,
-...), since whether drafting pays depends on the load: in a closed loop at 16
-clients the steps that prefill new requests decode only 10-15 of them, drafting
-pays for one or two there, and with one clock those steps kept the probes at
-every 32-64 steps while nothing paid at 16 (session 42: 7-8 probes in 400 steps,
-0.6 % of the time, most of it projecting the probed requests' prompts). Measured (docs/LOAD.md, run N): at 16 clients on this CPU no
+`probe_every`. Measured (docs/LOAD.md, run N): at 16 clients on this CPU no
 curve paid, and probing every 32 steps (3 % of the steps) cost about 3 % of
-throughput against no speculation. A drafter without a confidence head never
-yields a curve: the gate then drafts everyone, every step (the schedulers
-verify all its tokens).
+throughput against no speculation.
+
+The interval, and the count of steps since the last probe, are kept per load
+class (the batch size's power of two: 1, 2-3, 4-7, 8-15, 16-31, ...), since
+whether drafting pays depends on the load. In a closed loop at 16 clients the
+steps that prefill new requests decode only 10-15 of them and drafting pays
+for one or two there; with one clock for all loads those steps kept the probes
+at every 32-64 steps while nothing paid at 16 (session 42, step traces of 400
+steps: 8 probes and 0.82 s of drafting in 110 s, most of it projecting the
+probed requests' prompts; with a clock per class 5 probes and 0.49 s).
+
+A drafter without a confidence head never yields a curve: the gate then
+drafts everyone, every step (the schedulers verify all its tokens).
 
 Drafts the scheduler would not verify: the gate prices steps with measured
 cost ratios, the scheduler that picks verify lengths with the profile alone
