@@ -144,3 +144,16 @@ def test_step_trace_names_its_device_and_times_to_the_end_of_device_work(monkeyp
     trace_steps(engine, [[5, 6, 7, 5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=4), 1, 3, progress=False)
     # around every step and every timed phase, on the target's device
     assert len(synced) >= 2 * 3 + 2 * 3 and set(synced) == {"cpu"}
+
+
+def test_the_taps_bench_times_both_modes_on_one_cache():
+    """dspark.bench.taps: interleaved decode forwards with and without taps, same model and
+    cache; each mode gets its forwards, and the cache holds prompt + two tokens a round."""
+    from dspark.bench.taps import time_taps
+    from dspark.models.tiny import tiny_target
+
+    model = tiny_target()
+    times = time_taps(model, requests=2, iterations=3, prompt_tokens=5, tap_layers=(0, 1))
+    assert set(times) == {"none", "taps"} and all(len(v) == 3 and min(v) > 0 for v in times.values())
+    with pytest.raises(ValueError, match="tap layer"):
+        time_taps(model, 2, 3, 5, ())
