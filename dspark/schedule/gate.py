@@ -44,7 +44,7 @@ curve yet (it just started decoding) stands in with the mean of the last
 `history` curves recorded from any request (the asynchronous scheduler's
 proxy). While no curve was ever recorded, a step drafts a quarter of its
 requests (at least one, at most `max_probe`) to learn one. After `probe_every`
-consecutive steps of its load (below) that left some request undrafted, a step also drafts the
+consecutive steps of its load class (below) that left some request undrafted, a step also drafts the
 stalest quarter of its requests, at most `max_probe` (4) of them (no curve
 first, then the oldest curves), so a request whose text turned predictable
 (code, a quotation) is noticed within max(4, R / max_probe) x probe_every
@@ -186,7 +186,7 @@ class DraftGate:
         self.steps += 1
         return chosen
 
-    def _choose(self, ids: list[Hashable], clock: "ProbeClock") -> list[bool]:
+    def _choose(self, ids: list[Hashable], clock: ProbeClock) -> list[bool]:
         if not ids or self.blind or self.drafting_is_free(len(ids)):
             return [True] * len(ids)
         if not self.recent:  # no curve was ever seen: draft some requests to learn one
