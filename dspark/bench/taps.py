@@ -53,12 +53,10 @@ def time_taps(model, requests: int, iterations: int, prompt_tokens: int, tap_lay
 
 def main(argv: list[str]) -> None:
     """REQUESTS ITERATIONS [PROMPT_TOKENS] (no argparse outside cli.py)."""
-    args = argv
-    if len(args) not in (2, 3) or not all(a.isdigit() and int(a) > 0 for a in args):
+    if len(argv) not in (2, 3) or not all(a.isdigit() and int(a) > 0 for a in argv):
         raise SystemExit("usage: python -m dspark.bench.taps REQUESTS ITERATIONS [PROMPT_TOKENS] "
                          "(integers > 0; e.g. 32 60 400)")
-    import json
-
+    from dspark.draft.checkpoint import read_config
     from dspark.draft.registry import shipped_default
     from dspark.models import load_target
 
@@ -67,9 +65,9 @@ def main(argv: list[str]) -> None:
     folder = shipped_default("default")
     if folder is None:
         raise SystemExit("the default drafter is not installed: reinstall dspark (it ships in dspark/assets/drafters)")
-    taps = tuple(json.loads((folder / "config.json").read_text())["target_layer_ids"])
-    requests, iterations = int(args[0]), int(args[1])
-    prompt = int(args[2]) if len(args) > 2 else 400
+    taps = tuple(read_config(folder)["target_layer_ids"])
+    requests, iterations = int(argv[0]), int(argv[1])
+    prompt = int(argv[2]) if len(argv) > 2 else 400
     times = time_taps(loaded.model, requests, iterations, prompt, taps)
     print(f"{requests} requests, {prompt}-token prompts, taps at layers {list(taps)}")
     for mode, seconds in times.items():

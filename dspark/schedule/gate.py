@@ -216,12 +216,6 @@ class DraftGate:
         clock = self.clocks.get(self.load_class)
         return self.probe_every if clock is None else clock.interval
 
-    @property
-    def skipped(self) -> int:
-        """Steps of the last choice's load class since it last drafted everyone or probed."""
-        clock = self.clocks.get(self.load_class)
-        return 0 if clock is None else clock.skipped
-
     def drafting_is_free(self, requests: int) -> bool:
         """D(requests) <= free_fraction x F(requests): drafting everyone costs next to nothing."""
         plain = self.cost.seconds(requests, requests, drafted=False)
