@@ -14,7 +14,8 @@ import torch
 from dspark.bench.arms import Arm, paper_arms, parse_arm
 from dspark.bench.clients import SamplingSpec, loopback_url
 from dspark.bench.load import LoadSettings, arm_order, load_prompts, run_load_bench
-from dspark.bench.load_report import GoalRoles, LoadReport, check_goals, frontier, roles_for
+from dspark.bench.load_report import (GoalRoles, LoadReport, check_goals, frontier, latency_speed, roles_for,
+                                      shared_starts)
 from dspark.bench.tables import goal_lines
 from dspark.bench.loadgen import poisson_offsets
 from dspark.draft.checkpoint import save_drafter
@@ -229,6 +230,36 @@ def test_goals_on_fabricated_rows():
     assert missing[1]["status"] == "not measurable" and "no drafter" in missing[1]["why"]
 
 
+def test_end_to_end_speed_is_checked_beside_one_over_tpot():
+    roles = GoalRoles(schedulers=("dspark",))
+    rows = [_row("dspark", 1, 13, 13), _row("dspark", 4, 31, 8), _row("mtp1", 4, 25, 4),
+            _row("nospec", 1, 10, 10), _row("nospec", 4, 30, 7)]
+    for r, e2e in zip(rows, (9, 6, 3, 8, 5)):
+        r["e2e_tps_user"] = e2e
+    matched = check_goals(rows, [], roles)[1]
+    # end to end: the scheduler's (13, 9) -> (31, 6) at 25 tok/s gives 9 - 3 * 12/18 = 7 against mtp1's 3;
+    # no speculation's (10, 8) -> (30, 5) gives 8 - 3 * 15/20 = 5.75
+    assert matched["e2e_min_ratio"] == pytest.approx(7 / 3)
+    assert matched["min_ratio"] == pytest.approx(9.6667 / 4, rel=1e-3)
+    assert matched["e2e_control_min_ratio"] == pytest.approx(5.75 / 3)
+    assert "end to end (first-token wait included) 2.33x, no speculation 1.92x" in goal_lines([matched])[0]
+    for r in rows:  # reports written before the field: the check runs on 1 / TPOT alone
+        del r["e2e_tps_user"]
+    matched = check_goals(rows, [], roles)[1]
+    assert matched["e2e_min_ratio"] is None and "end to end" not in goal_lines([matched])[0]
+
+
+def test_latency_speed_and_shared_starts_read_the_samples():
+    def sample(start, end, tokens, status="ok"):
+        return {"start_s": start, "end_s": end, "output_tokens": tokens, "status": status}
+
+    samples = [sample(0.0, 2.0, 64), sample(0.0005, 4.0005, 64), sample(1.0, 3.0, 32), sample(1.5, 2.0, 5, "cut")]
+    assert latency_speed(samples) == pytest.approx((32 + 16 + 16) / 3)  # the cut request is left out
+    assert shared_starts(samples) == pytest.approx(2 / 4)  # the first two started in one step
+    assert shared_starts(samples[:1]) is None and latency_speed([sample(0.0, None, 3)]) is None
+    assert shared_starts([sample(0.0, 1, 1), sample(0.0, 1, 1), sample(0.005, 1, 1), sample(0.5, 1, 1)]) == 0.75
+
+
 def test_frontier_drops_points_beaten_on_both_axes():
     # past saturation more clients lower both throughput and tokens/s/user
     points = [(34, 39), (49, 30), (78, 27), (99, 17), (93, 8), (88, 4), (86, 2)]
@@ -274,6 +305,36 @@ def test_prompts_interleave_benchmarks_and_respect_the_length_limit():
         LoadSettings(concurrency=(0,))
 
 
+def test_think_times_are_the_same_for_every_arm_and_stagger_the_clients():
+    import asyncio
+
+    from dspark.bench.loadgen import closed_loop, think_seconds
+
+    assert think_seconds(0.0, 1, 0, 0) == 0.0
+    draws = [think_seconds(0.2, 7, c, k) for c in range(20) for k in range(20)]
+    assert draws == [think_seconds(0.2, 7, c, k) for c in range(20) for k in range(20)]  # seeded, not stateful
+    assert 0.15 < statistics.fmean(draws) < 0.25 and len(set(draws)) == len(draws)
+    assert draws != [think_seconds(0.2, 8, c, k) for c in range(20) for k in range(20)]
+
+    class Instant:  # a client whose requests finish at once, one token each
+        async def generate(self, prompt, spec, sample, t0):
+            sample.first_token_s = sample.end_s = time.perf_counter() - t0
+            sample.status, sample.output_tokens = "ok", 1
+
+    async def run(think):
+        return await closed_loop(Instant(), load_prompts("gsm8k", seed=0)[:4], 4, 8, SamplingSpec(), 30.0,
+                                 lambda _: None, think_s=think, seed=3)
+
+    together, _ = asyncio.run(run(0.0))
+    apart, _ = asyncio.run(run(0.2))
+    assert len(together) == len(apart) == 8
+    assert max(s.start_s for s in together[:4]) < 0.01  # all four clients start at once
+    first_pause = min(think_seconds(0.2, 3, c, 0) for c in range(4))
+    starts = sorted(s.start_s for s in apart)
+    assert first_pause <= starts[0] < first_pause + 0.05  # nobody starts before its pause
+    assert starts[-1] - starts[0] > 0.1  # the pauses spread the clients
+
+
 def test_default_request_counts():
     s = LoadSettings()
     assert [s.num_requests("closed", c) for c in (1, 4, 16)] == [4, 8, 32]
@@ -292,15 +353,16 @@ def test_bench_serve_options_reach_the_settings(monkeypatch):
                         lambda arms, settings, **kw: seen.update(arms=arms, settings=settings, name=kw["name"]))
     assert cli.main(["bench", "serve", "--arm", "a=none:none", "--concurrency", "1,8", "--rates", "0.5", "--name", "x",
                      "--repeats", "3", "--requests-per-client", "4", "--level-seconds", "30", "--bench", "math",
-                     "--temperature", "0.7", "--max-new-tokens", "16"]) == 0
+                     "--temperature", "0.7", "--max-new-tokens", "16", "--think-seconds", "0.5"]) == 0
     s = seen["settings"]
+    assert s.think_s == 0.5
     assert (s.concurrency, s.rates, s.repeats, s.requests_per_client, s.level_seconds, s.bench) == (
         (1, 8), (0.5,), 3, 4, 30.0, "math")
     assert (s.sampling.temperature, s.sampling.seed, s.sampling.max_new_tokens) == (0.7, 0, 16)
     assert [a.name for a in seen["arms"]] == ["a"] and seen["name"] == "x"
     cli.main(["bench", "serve", "--arm", "a=none:none"])
     assert seen["settings"].repeats == 1 and seen["settings"].sampling.temperature == 0.0  # greedy by default
-    assert seen["settings"].sampling.seed is None and seen["settings"].warmup_pass
+    assert seen["settings"].sampling.seed is None and seen["settings"].warmup_pass and seen["settings"].think_s == 0
     cli.main(["bench", "serve", "--arm", "a=none:none", "--no-warmup-pass"])
     assert not seen["settings"].warmup_pass
 
@@ -308,7 +370,8 @@ def test_bench_serve_options_reach_the_settings(monkeypatch):
 @pytest.mark.parametrize("argv,message", [(["--rates", "0.5,fast"], "--rates takes comma-separated numbers"),
                                           (["--temperature", "3"], "--temperature must be in"),
                                           (["--repeats", "0"], "load setting repeats is out of range"),
-                                          (["--level-seconds", "0"], "load setting level_seconds is out of range")])
+                                          (["--level-seconds", "0"], "load setting level_seconds is out of range"),
+                                          (["--think-seconds", "-1"], "load setting think_s is out of range")])
 def test_bench_serve_bad_options_exit_2_with_the_fix(monkeypatch, capsys, argv, message):
     from dspark import cli
     from dspark.bench import load

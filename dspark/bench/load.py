@@ -64,6 +64,7 @@ class LoadSettings:
     seed: int = 0  # prompt order and Poisson arrival times
     warmup_requests: int = 1  # short untimed requests per (arm, level) before timing
     warmup_pass: bool = True  # before the first timed level, each arm once at the largest load, untimed (`_warm_up_pass`)
+    think_s: float = 0.0  # closed loop: mean seconds a client pauses before each request (exponential, seeded)
 
     def __post_init__(self) -> None:
         checks = [
@@ -77,6 +78,7 @@ class LoadSettings:
             ("repeats", self.repeats >= 1, ">= 1"),
             ("max_prompt_chars", self.max_prompt_chars >= 1, ">= 1"),
             ("warmup_requests", self.warmup_requests >= 0, ">= 0"),
+            ("think_s", self.think_s >= 0, ">= 0"),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -270,7 +272,8 @@ async def _measure(client, arm: Arm, pattern: str, level: float, repeat: int, ru
     run.bar.set_postfix_str(f"{arm.name} {pattern} {level:g} (repeat {repeat + 1}/{s.repeats})")
     done = lambda sample: run.bar.update(1)  # noqa: E731
     if pattern == "closed":
-        samples, elapsed = await closed_loop(client, run.prompts, int(level), n, s.sampling, limit, done)
+        samples, elapsed = await closed_loop(client, run.prompts, int(level), n, s.sampling, limit, done,
+                                             think_s=s.think_s, seed=s.seed * 1_000_003 + repeat)
     else:
         seed = s.seed * 1_000_003 + int(level * 1000)  # same arrival times for every arm at this rate
         samples, elapsed = await poisson_arrivals(client, run.prompts, level, n, s.sampling, limit, seed, done)

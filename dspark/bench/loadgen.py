@@ -57,23 +57,42 @@ async def _finish(tasks: list[asyncio.Task], samples: list[RequestSample], t0: f
     return elapsed
 
 
+def think_seconds(mean_s: float, seed: int, client: int, request: int) -> float:
+    """A closed-loop client's pause before its `request`-th request: exponential with mean
+    `mean_s` (0: none), drawn from (seed, client, request) alone, so every arm sees the same."""
+    if mean_s <= 0:
+        return 0.0
+    return random.Random(f"think {seed} {client} {request}").expovariate(1.0 / mean_s)
+
+
 async def closed_loop(client, prompts: Sequence[BenchPrompt], concurrency: int, num_requests: int,
-                      spec: SamplingSpec, deadline_s: float, on_done: OnDone) -> tuple[list[RequestSample], float]:
-    """`concurrency` clients in a closed loop -> (samples, elapsed seconds)."""
+                      spec: SamplingSpec, deadline_s: float, on_done: OnDone, think_s: float = 0.0,
+                      seed: int = 0) -> tuple[list[RequestSample], float]:
+    """`concurrency` clients in a closed loop -> (samples, elapsed seconds). With `think_s` > 0
+    each client pauses before each of its requests (`think_seconds`): without pauses, requests
+    that finish in the same engine step send their successors together, and greedy decoding to a
+    length cap can keep such groups together for a whole level (docs/LOAD.md, run BG)."""
     t0 = time.perf_counter()
     samples: list[RequestSample] = []
     sent = 0
 
-    async def user() -> None:
+    async def user(me: int) -> None:
         nonlocal sent
+        mine = 0
         while sent < num_requests and time.perf_counter() - t0 < deadline_s:
+            pause = think_seconds(think_s, seed, me, mine)
+            mine += 1
+            if pause > 0:
+                await asyncio.sleep(min(pause, max(0.0, deadline_s - (time.perf_counter() - t0))))
+                if sent >= num_requests or time.perf_counter() - t0 >= deadline_s:
+                    break
             index, sent = sent, sent + 1
             prompt = prompts[index % len(prompts)]
             sample = RequestSample(prompt.id, start_s=time.perf_counter() - t0)
             samples.append(sample)
             await _drive(client, prompt, request_spec(spec, index), sample, t0, on_done)
 
-    tasks = [asyncio.create_task(user()) for _ in range(concurrency)]
+    tasks = [asyncio.create_task(user(me)) for me in range(concurrency)]
     return samples, await _finish(tasks, samples, t0, deadline_s)
 
 

@@ -10,6 +10,10 @@ def _f(value, fmt: str = ".1f") -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f} %"
+
+
 def _level(row: dict) -> str:
     return f"c={row['level']:g}" if row["pattern"] == "closed" else f"{row['level']:g} req/s"
 
@@ -23,15 +27,17 @@ def _drafted(steps: dict | None) -> str:
 
 
 def summary_table(summary: list[dict]) -> str:
-    head = ("| arm | load | repeats | throughput tok/s | tok/s/user | TTFT p50 s | verify budget | tau | "
-            "steps drafting all / some / none | done / failed / cut |")
-    lines = [head, "|" + "---|" * 10]
+    head = ("| arm | load | repeats | throughput tok/s | tok/s/user | end-to-end tok/s/user | TTFT p50 s | "
+            "started together | verify budget | tau | steps drafting all / some / none | done / failed / cut |")
+    lines = [head, "|" + "---|" * 12]
     order = {"closed": 0, "poisson": 1}
     for r in sorted(summary, key=lambda r: (order[r["pattern"]], r["level"], r["arm"])):
         sd = "" if r["throughput_sd"] is None else f" ± {r['throughput_sd']:.1f}"
         lines.append(
             f"| {r['arm']} | {_level(r)} | {r['repeats']} | {r['throughput']:.1f}{sd} | {_f(r['tps_user'])} | "
-            f"{_f(r['ttft_p50_s'], '.2f')} | {_f(r['verify_budget'], '.2f')} | {_f(r['acceptance_length'], '.2f')} | "
+            f"{_f(r.get('e2e_tps_user'))} | {_f(r['ttft_p50_s'], '.2f')} | {_percent(r.get('shared_starts'))} | "
+            f"{_f(r['verify_budget'], '.2f')} | "
+            f"{_f(r['acceptance_length'], '.2f')} | "
             f"{_drafted(r.get('drafted_steps'))} | {r['completed']} / {r['failed']} / {r['cut']} |")
     return "\n".join(lines)
 
@@ -58,6 +64,10 @@ def goal_lines(goals: list[dict]) -> list[str]:
             line += f"; smallest ratio {g['min_ratio']:.2f}x over {len(g['checks'])} matched point(s)"
             if g.get("control_min_ratio") is not None:
                 line += f" (no speculation reads {g['control_min_ratio']:.2f}x by the same check)"
+            if g.get("e2e_min_ratio") is not None:
+                control = g.get("e2e_control_min_ratio")
+                line += (f"; end to end (first-token wait included) {g['e2e_min_ratio']:.2f}x"
+                         + ("" if control is None else f", no speculation {control:.2f}x"))
         lines.append(line)
     return lines
 
