@@ -42,6 +42,24 @@ def test_trace_records_every_step_and_restores_the_engine():
         trace_steps(engine, prompts, SamplingParams(), 0, 1)
 
 
+def test_think_steps_let_the_batch_shrink_and_regrow():
+    prompts = [[5, 6, 7, 5, 6], [9, 10, 11, 9], [4, 8, 4, 8, 4]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=4)
+
+    def trace(think):  # a fresh engine each time: a trace leaves its last requests running
+        engine = Engine(tiny_target(seed=0), NgramDrafter(block_size=3), make_policy("none", None),
+                        EngineConfig(max_running=3, max_seq_len=64))
+        return trace_steps(engine, prompts, params, 3, 30, progress=False, think_steps=think)
+
+    assert all(r.decoding == 3 for r in trace(0.0))  # closed loop: a finished request is replaced at once
+    paused, again = trace(3.0), trace(3.0)
+    assert len(paused) == 30 and min(r.decoding for r in paused) < 3 and max(r.decoding for r in paused) == 3
+    assert [r.decoding for r in paused] == [r.decoding for r in again]  # seeded: the same pauses every time
+    assert all(r.decoding >= 1 for r in paused)  # when everyone pauses, the trace skips to the first to join
+    with pytest.raises(ValueError, match="think_steps"):
+        trace(-1.0)
+
+
 def test_summary_groups_decode_steps_by_budget():
     def rec(budget, forward, drafted):
         return StepRecord(seconds=forward + 0.01, forward=forward, propose=0.01 if drafted else 0.0, observe=0.0,
@@ -54,8 +72,8 @@ def test_summary_groups_decode_steps_by_budget():
     assert "   plain: 2 steps" in text and " drafted: 1 steps" in text and "gate:" not in text
     records += [StepRecord(seconds=0.2, forward=0.1, propose=0.05, observe=0.0, budget=4, requests=4, decoding=4,
                            prefill=0, drafted=True, tokens=4, verified=0, probe=probe) for probe in (True, True, False)]
-    assert ("gate: 4 drafted steps: 2 probes (2 verified nothing), 2 chosen (1 verified nothing); 7 vetoes"
-            in summarise(records, vetoes=7))
+    assert ("gate: 4 drafted steps: 2 probes (2 verified nothing, propose 0.10 s), 2 chosen (1 verified nothing, "
+            "propose 0.06 s, 2 tokens past one a request); 7 vetoes" in summarise(records, vetoes=7))
     assert summarise([]) == "no steps"
 
 
@@ -123,9 +141,10 @@ def test_trace_marks_the_gates_probes_and_counts_what_was_verified():
     assert chosen and not any(r.probe for r in chosen) and all(r.verified == 0 for r in records if not r.drafted)
     nothing = sum(r.verified == 0 for r in chosen)
     assert "decide" not in vars(engine.policy) and "choose_drafts" not in vars(engine.policy)
-    assert (f"gate: {1 + len(chosen)} drafted steps: 1 probes (0 verified nothing), {len(chosen)} chosen "
-            f"({nothing} verified nothing); {engine.policy.gate.vetoed} vetoes"
-            in summarise(records, cost, engine.policy.gate.vetoed))
+    text = summarise(records, cost, engine.policy.gate.vetoed)
+    assert f"gate: {1 + len(chosen)} drafted steps: 1 probes (0 verified nothing, propose " in text
+    assert f"{len(chosen)} chosen ({nothing} verified nothing, propose " in text
+    assert f"past one a request); {engine.policy.gate.vetoed} vetoes" in text
 
 
 def test_step_trace_names_its_device_and_times_to_the_end_of_device_work(monkeypatch):

@@ -20,6 +20,7 @@ profile said a step verifying 18 tokens (125 ms) was cheaper than a plain one of
 16 (153 ms); the trace measured 131 and 136 ms.
 
     .venv/bin/python -m dspark.bench.steps DRAFTER POLICY CONCURRENCY STEPS [PROBE_EVERY [PROMPT_CHARS]] [--device D]
+        [--think-steps N]
 
 runs the embedded target on the evaluation prompts (greedy, 64 new tokens, one
 torch thread as the load benchmark) and prints the summary. With PROBE_EVERY
@@ -29,7 +30,8 @@ the draft gate's probes), no one on the others (verify lengths are still the
 policy's), so the summary sets a probe step's cost beside a plain step's
 (0: the policy chooses). PROMPT_CHARS (default 300, as the load runs of
 `load_docs`) caps the prompts' length; `dspark bench serve` replays up to 2000.
-`--device cuda` traces the engine on a GPU: each phase and step is then timed to the
+`--think-steps N` makes a finished request's successor wait about N steps (seeded), as the
+load bench's `--think-seconds` clients do (docs/LOAD.md, run BG). `--device cuda` traces the engine on a GPU: each phase and step is then timed to the
 end of its GPU work (synchronized), which says where the ~7 ms of a GPU step outside
 the forward go (docs/GPU.md, run AL).
 """
@@ -65,14 +67,21 @@ class StepRecord:
 
 
 def trace_steps(engine, prompts: Sequence[list[int]], params, concurrency: int, steps: int,
-                progress: bool = True) -> list[StepRecord]:
+                progress: bool = True, think_steps: float = 0.0, seed: int = 0) -> list[StepRecord]:
     """Run `steps` steps of `engine` with `concurrency` requests, replacing each finished one
-    with the next prompt of `prompts` (cycled), and record each step. The engine's target
-    and drafter are wrapped for the run and restored after it."""
+    with the next prompt of `prompts` (cycled), and record each step. With `think_steps` > 0 a
+    replacement joins after a pause of about that many steps (geometric, seeded: the same for
+    every drafter and policy), as the load bench's `--think-seconds` clients do, so the batch
+    size varies. The engine's target and drafter are wrapped for the run and restored after it."""
+    import random
+
     from tqdm.auto import tqdm
 
-    if concurrency < 1 or steps < 1 or not prompts:
-        raise ValueError(f"need concurrency >= 1, steps >= 1 and prompts; got {concurrency}, {steps}, {len(prompts)}")
+    if concurrency < 1 or steps < 1 or not prompts or think_steps < 0:
+        raise ValueError(f"need concurrency >= 1, steps >= 1, prompts and think_steps >= 0; got {concurrency}, "
+                         f"{steps}, {len(prompts)}, {think_steps}")
+    rng = random.Random(f"think steps {seed}")
+    pauses = [0 if think_steps == 0 else int(rng.expovariate(1.0 / think_steps)) for _ in range(steps * concurrency)]
     target, drafter = engine.target, engine.drafter
     device = next(target.parameters()).device
     cur: dict[str, float] = {}
@@ -124,11 +133,24 @@ def trace_steps(engine, prompts: Sequence[list[int]], params, concurrency: int, 
         setattr(obj, name, fn)
     records: list[StepRecord] = []
     next_prompt = 0
+    joining: list[int] = []  # steps left before each pausing replacement joins
+    finished = 0  # requests finished so far (the index of the next pause)
+
+    def add() -> None:
+        nonlocal next_prompt
+        engine.add_request(list(prompts[next_prompt % len(prompts)]), params)
+        next_prompt += 1
+
     try:
         for _ in range(concurrency):
-            engine.add_request(list(prompts[next_prompt % len(prompts)]), params)
-            next_prompt += 1
+            add()
         for _ in tqdm(range(steps), desc=f"tracing {concurrency} requests", unit="step", disable=not progress):
+            joining = [left - 1 for left in joining]
+            if joining and not engine.has_work():  # everyone is pausing: skip to the first to join
+                joining = [left - min(joining) for left in joining]
+            for _ in range(sum(left <= 0 for left in joining)):
+                add()
+            joining = [left for left in joining if left > 0]
             cur.clear()
             drafted_before = engine.num_full_drafts + engine.num_partial_drafts
             synchronize(device)
@@ -146,8 +168,12 @@ def trace_steps(engine, prompts: Sequence[list[int]], params, concurrency: int, 
             for out in outputs:
                 if out.finished:
                     engine.pop_finished(out.request_id)
-                    engine.add_request(list(prompts[next_prompt % len(prompts)]), params)
-                    next_prompt += 1
+                    pause = pauses[finished % len(pauses)]
+                    finished += 1
+                    if pause:
+                        joining.append(pause)
+                    else:
+                        add()
     finally:
         for (obj, name), before in saved.items():  # back to what they were
             if before is missing:
@@ -202,8 +228,10 @@ def summarise(records: Sequence[StepRecord], cost=None, vetoes: int | None = Non
         probes = [r for r in drafted if r.probe]
         chosen = [r for r in drafted if not r.probe]
         lines.append(f"    gate: {len(drafted)} drafted steps: {len(probes)} probes ({sum(r.verified == 0 for r in probes)} "
-                     f"verified nothing), {len(chosen)} chosen ({sum(r.verified == 0 for r in chosen)} verified "
-                     f"nothing); {vetoes} vetoes")
+                     f"verified nothing, propose {sum(r.propose for r in probes):.2f} s), {len(chosen)} chosen "
+                     f"({sum(r.verified == 0 for r in chosen)} verified nothing, propose "
+                     f"{sum(r.propose for r in chosen):.2f} s, {sum(r.tokens - r.decoding for r in chosen)} tokens "
+                     f"past one a request); {vetoes} vetoes")
     by_budget: dict[int, list[float]] = defaultdict(list)
     for r in decode:
         by_budget[r.budget].append(r.forward)
@@ -218,16 +246,24 @@ def main(argv: list[str]) -> None:
     """DRAFTER POLICY CONCURRENCY STEPS [PROBE_EVERY [PROMPT_CHARS]] [--device D] (no argparse outside cli.py)."""
     from dspark.models.device import resolve_device
 
-    device = "cpu"
+    device, think_steps = "cpu", 0.0
     if "--device" in argv:
         at = argv.index("--device")
         device = str(resolve_device(argv[at + 1] if at + 1 < len(argv) else ""))
+        argv = argv[:at] + argv[at + 2:]
+    if "--think-steps" in argv:
+        at = argv.index("--think-steps")
+        try:
+            think_steps = float(argv[at + 1])
+        except (IndexError, ValueError):
+            raise SystemExit("--think-steps takes the mean steps a finished request's successor waits, "
+                             "a number >= 0") from None
         argv = argv[:at] + argv[at + 2:]
     numbers = argv[2:]
     if (len(argv) not in (4, 5, 6) or not all(a.isdigit() for a in numbers)
             or not all(int(a) > 0 for k, a in enumerate(numbers) if k != 2)):
         raise SystemExit("usage: python -m dspark.bench.steps DRAFTER POLICY CONCURRENCY STEPS [PROBE_EVERY "
-                         "[PROMPT_CHARS]] [--device D] (integers > 0, PROBE_EVERY >= 0; e.g. "
+                         "[PROMPT_CHARS]] [--device D] [--think-steps N] (integers > 0, PROBE_EVERY >= 0; e.g. "
                          "dspark/assets/drafters/smollm2-135m-dspark dspark 16 300)")
     import torch
 
@@ -253,8 +289,9 @@ def main(argv: list[str]) -> None:
     engine = Engine(loaded.model, drafter, policy, backend.engine_config, tokenizer=loaded.tokenizer)
     encoder = ChatEncoder(loaded.tokenizer)
     records = trace_steps(engine, [encoder(p) for p in prompts], SamplingParams(temperature=0.0, max_new_tokens=64),
-                          concurrency, steps)
+                          concurrency, steps, think_steps=think_steps)
     forced = f", a quarter drafted every {probe_every} steps" if probe_every else ""
+    forced += f", successors waiting {think_steps:g} steps on average" if think_steps else ""
     print(f"{drafter_spec} / {policy_name}, {concurrency} requests{forced}")
     gate = getattr(getattr(policy, "policy", policy), "gate", None)
     print(summarise(records, cost, None if gate is None else gate.vetoed))
