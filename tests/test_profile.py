@@ -234,3 +234,27 @@ def test_profile_measures_forward_and_drafting_apart(tmp_path):
     again = profile_engine(target, drafter, model_id="tiny", settings=SMALL, home=tmp_path, progress=False)
     assert again.reused and again.cost.draft.points() == cost.draft.points()
     assert again.cost.forward.points() == cost.forward.points()
+
+
+def test_a_drafter_that_defers_its_context_gets_p_measured_and_cached(tmp_path):
+    """The DSpark drafter processes observed context lazily (`pending_rows`), so its profile also
+    measures P(n), the processing of n pending rows before a propose, at PROJECT_ROWS, and caches
+    it; prompt lookup defers nothing and gets none."""
+    from dspark.draft.factory import build_drafter
+    from dspark.engine.profile import PROJECT_ROWS, format_split
+
+    target = tiny_target(seed=1, vocab_size=96)
+    drafter = build_drafter("dspark", target.config, target.embed_tokens, target.lm_head_weight, seed=2,
+                            block_size=4, markov_rank=8)
+    out = profile_engine(target, drafter, model_id="tiny", drafter_id="d", settings=SMALL, home=tmp_path,
+                         progress=False)
+    assert out.cost.project is not None and out.cost.project.budgets == list(PROJECT_ROWS)
+    assert all(s > 0 for _, s in out.cost.project.points())
+    assert out.cost.project_seconds(PROJECT_ROWS[-1]) >= out.cost.project_seconds(1) > 0
+    assert "P ms (pending context rows" in format_split(out.cost)
+    again = profile_engine(target, drafter, model_id="tiny", drafter_id="d", settings=SMALL, home=tmp_path,
+                           progress=False)
+    assert again.reused and again.cost.project.points() == out.cost.project.points()
+    plain = profile_engine(target, NgramDrafter(block_size=4), model_id="tiny", settings=SMALL, home=tmp_path,
+                           progress=False)
+    assert plain.cost.project is None and plain.cost.project_seconds(500) == 0.0

@@ -185,6 +185,43 @@ def test_the_gate_drafts_only_the_requests_whose_curves_pay_for_their_drafting()
     assert gate.choose(["a", "b"]) == [True, False]
 
 
+def test_the_gate_prices_the_pending_context_a_draft_must_process_first():
+    """F(B) = 50 + 5 (B - 1) ms, D(R) = 20 R ms, two requests; a = (0.95, 0.93, 0.92) holds no
+    pending rows, b = (0.9, 0.85, 0.8) a 400-row prompt not yet processed, P(n) = 0.1 ms a row
+    (40 ms for b's). Path a1 a2 a3 b1 b2 b3:
+      a1-a3  4.80 / (70 + 20) = 53.3 tok/s
+      all    7.35 / (85 + 40) = 58.8 with b's rows processed, 7.35 / (85 + 40 + 40) = 44.5 pending
+    (b1 and b1-b2 reach 36.8 and 41.0 pending) so a drafts alone while b's prompt is pending, both
+    once it is processed. The engine's step timings price what they processed too, so the cost
+    ratio stays 1."""
+    base = _split(50, 5, 20)
+    cost = SplitCost(base.forward, base.draft, CostTable({n: n * 1e-4 for n in (1, 16, 256, 1024)}))
+    assert cost.project_seconds(0) == 0.0 and cost.project_seconds(400) == pytest.approx(0.04)
+    assert base.project_seconds(400) == 0.0  # no P measured: nothing priced
+    gate = DraftGate(cost)
+    a, b = [0.95, 0.93, 0.92], [0.9, 0.85, 0.8]
+    assert gate.best_drafts([a, b], [0, 400]) == [True, False]
+    assert gate.best_drafts([a, b], [0, 0]) == gate.best_drafts([a, b]) == [True, True]
+    gate.record([_req("a", [0.95, 0.98, 0.99]), _req("b", [0.9, 0.95, 0.95])])  # survival about a and b
+    assert gate.choose(["a", "b"], [0, 400]) == [True, False]
+    assert gate.choose(["a", "b"]) == [True, True]
+    with pytest.raises(ValueError, match="pending_rows"):
+        gate.choose(["a", "b"], [0])
+    from dspark.schedule import StepTiming
+
+    gate.observe_step(StepTiming(2, 1, 5, cost.seconds(5, 2, drafted=1) + 0.04, projected_rows=400))
+    assert gate.cost_ratio("drafted") == pytest.approx(1.0)
+
+
+def test_probes_go_to_the_cheapest_of_the_equally_stale():
+    """Requests without a curve are equally stale; a probe drafts the one whose propose would
+    process the fewest pending rows (prompt lookup processes none: batch order then)."""
+    gate = DraftGate(_split(50, 5, 40), probe_every=1)
+    assert gate.choose(list("abcd"), [500, 30, 900, 200]) == [False, True, False, False]
+    gate = DraftGate(_split(50, 5, 40), probe_every=1)
+    assert gate.choose(list("abcd")) == [True, False, False, False]
+
+
 def test_partial_drafting_counts_towards_the_probe():
     """A step that drafts some requests leaves the others' curves stale: after probe_every
     such steps one step drafts everyone."""
@@ -265,7 +302,7 @@ class SkippingPolicy:
         self.inner, self.rng = inner, random.Random(seed)
         self.name, self.skips, self.partial, self.calls = inner.name, 0, 0, 0
 
-    def choose_drafts(self, request_ids) -> list[bool]:
+    def choose_drafts(self, request_ids, pending_rows=None) -> list[bool]:
         self.calls += 1
         kind = self.rng.randrange(3)
         chosen = [kind == 1 or (kind == 2 and self.rng.random() < 0.5) for _ in request_ids]
@@ -501,3 +538,51 @@ def test_the_async_gate_vetoes_by_the_rule_its_next_decide_will_use():
     assert sched.decide([_req("a", [0.9, 0.9, 0.9])]) == [3] and sched.last_capacity == 3
     # two calls back is now the plain step: Algorithm 1 again, and the veto with it
     assert sched.choose_drafts(["a"]) == [False] and sched.gate.vetoed == 2
+
+
+def test_the_engine_tells_the_policy_each_requests_pending_context_rows():
+    """With the DSpark drafter (context processed lazily) `choose_drafts` gets each decoding
+    request's pending rows: the whole prompt before its first draft, the tokens committed since
+    after it; the step timing of a drafted step carries the rows its propose processed."""
+    from dspark.draft.factory import build_drafter
+    from dspark.schedule import StepTiming
+
+    target = tiny_target(seed=0)
+    drafter = build_drafter("dspark", target.config, target.embed_tokens, target.lm_head_weight, seed=1,
+                            block_size=3, markov_rank=8)
+
+    class Recorder:
+        name = "recorder"
+
+        def __init__(self) -> None:
+            self.seen, self.timings, self.calls = [], [], 0
+
+        def choose_drafts(self, request_ids, pending_rows=None):
+            self.seen.append(list(pending_rows))
+            self.calls += 1
+            return [self.calls % 3 == 0] * len(request_ids)  # every third step drafts everyone
+
+        def decide(self, requests):
+            return [0] * len(requests)
+
+        def commit(self, outcomes):
+            pass
+
+        def observe_step(self, timing: StepTiming):
+            self.timings.append(timing)
+
+    policy = Recorder()
+    engine = Engine(target, drafter, policy, EngineConfig(max_running=2, max_seq_len=64))
+    engine.add_request(list(range(5, 17)), SamplingParams(temperature=0.0, max_new_tokens=8))  # 12 tokens
+    engine.add_request(list(range(20, 27)), SamplingParams(temperature=0.0, max_new_tokens=8))  # 7 tokens
+    for _ in range(6):
+        engine.step()
+    # step 1 prefills (no decoding request, no choice); then a row a step: the hidden states of
+    # the token each forward reads
+    assert policy.seen[0] == [12, 7]  # the prompts, never processed
+    assert policy.seen[1] == [13, 8]
+    assert policy.seen[2] == [14, 9]  # this step drafts both: all of it is processed first
+    assert policy.seen[3] == [1, 1]
+    drafted = [t for t in policy.timings if t.drafted]
+    assert drafted and drafted[0].projected_rows == 23
+    assert all(t.projected_rows == 0 for t in policy.timings if not t.drafted)

@@ -207,7 +207,8 @@ class InProcessBackend:
                 "has_confidence": bool(getattr(drafter, "has_confidence", False)),
                 "cost_table": None if cost is None else {
                     "forward": [list(point) for point in cost.forward.points()],  # [R, B, s]
-                    "draft": [[r, s] for r, s in cost.draft.points()]}}
+                    "draft": [[r, s] for r, s in cost.draft.points()],
+                    "project": None if cost.project is None else [[n, s] for n, s in cost.project.points()]}}
 
     async def aclose(self) -> None:
         """Engines are shut down after each level."""

@@ -192,7 +192,7 @@ class EveryKthQuarter:
             raise ValueError(f"probe interval must be >= 1, got {k}")
         self.policy, self.k, self.calls = policy, k, 0
 
-    def choose_drafts(self, request_ids) -> list[bool]:
+    def choose_drafts(self, request_ids, pending_rows=None) -> list[bool]:
         self.calls += 1
         quarter = max(1, len(request_ids) // 4) if self.calls % self.k == 0 else 0
         return [i < quarter for i in range(len(request_ids))]

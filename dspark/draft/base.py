@@ -56,6 +56,12 @@ class Drafter(ABC):
     ) -> DraftProposal:
         """Draft up to block_size tokens after each anchor, in one batched call."""
 
+    def pending_rows(self, state: object) -> int:
+        """Context rows `observe` took but the next `propose` for this request must still process
+        first (0 for drafters that process context as it comes). A draft gate prices them: the
+        first draft of a request with a long prompt costs more than the next (docs/LOAD.md, run BH)."""
+        return 0
+
     def truncate(self, state: object, num_context: int) -> None:
         """Forget context beyond the first num_context tokens (preemption)."""
         raise NotImplementedError(f"{self.name} does not support truncation")

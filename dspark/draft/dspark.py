@@ -169,6 +169,9 @@ class DSparkDrafter(DraftVocabMixin, ParallelBackbone, TrainableDrafter):
             confidences=self.confidences(block.hidden, anchors, tokens),
         )
 
+    def pending_rows(self, state: DSparkState) -> int:  # noqa: D102
+        return state.num_pending
+
     def truncate(self, state: DSparkState, num_context: int) -> None:  # noqa: D102
         self.project_pending([state])
         state.kv.truncate(num_context)

@@ -87,6 +87,7 @@ class Engine:
         self.num_steps = 0
         self.num_full_drafts = 0  # steps with decoding requests where every one of them drafted
         self.num_partial_drafts = 0  # ... where the policy drafted only some of them
+        self._projected_rows = 0  # pending context rows of the requests drafted in the last step
         self.num_draft_skips = 0  # ... where it drafted none (a plain decode step)
         self.step_seconds = 0.0
 
@@ -155,7 +156,8 @@ class Engine:
         if observe is None or plan.prefill or not plan.decode:
             return
         drafted = int((drafts.num_drafted > 0).sum())
-        observe(StepTiming(len(plan.decode), drafted, len(plan.decode) + sum(verify_lens), seconds))
+        projected = self._projected_rows if drafted else 0
+        observe(StepTiming(len(plan.decode), drafted, len(plan.decode) + sum(verify_lens), seconds, projected))
 
     # --------------------------------------------------------------- stages
     def _draft(self, decoding: list[Request]) -> tuple[DraftProposal, list[int] | None]:
@@ -187,14 +189,20 @@ class Engine:
         return proposal, None
 
     def _rows_to_draft(self, decoding: list[Request]) -> list[int]:
-        """Indices of the requests the policy drafts this step (all when it has no say)."""
+        """Indices of the requests the policy drafts this step (all when it has no say). A policy's
+        `choose_drafts(request_ids, pending_rows)` also learns the context rows each request's
+        propose would process first (`Drafter.pending_rows`), so it can price them."""
+        pending = [self.drafter.pending_rows(r.draft_state) for r in decoding]
         choose = getattr(self.policy, "choose_drafts", None)
         if choose is None:
+            self._projected_rows = sum(pending)
             return list(range(len(decoding)))
-        chosen = list(choose([r.request_id for r in decoding]))
+        chosen = list(choose([r.request_id for r in decoding], pending))
         if len(chosen) != len(decoding):
             raise RuntimeError(f"policy {self.policy.name!r} chose drafts for {len(chosen)} of {len(decoding)} requests")
-        return [i for i, draft in enumerate(chosen) if draft]
+        rows = [i for i, draft in enumerate(chosen) if draft]
+        self._projected_rows = sum(pending[i] for i in rows)
+        return rows
 
     def _schedule(self, decoding: list[Request], drafts: DraftProposal, rows: list[int] | None) -> list[int]:
         """Verify lengths for `decoding` from the proposal of its requests `rows` (None: all)."""

@@ -128,6 +128,10 @@ def split_budget(budget: int, block_size: int, max_requests: int) -> list[int]:
     return spread_budget(budget, math.ceil(budget / per_request), block_size)
 
 
+# pending context rows P(n) is measured at (`StepBench.project_seconds`): below the drafters'
+# pending cap (dspark.draft.dspark.MAX_PENDING_ROWS), so observing them does not project them
+PROJECT_ROWS = (1, 16, 64, 256, 768)
+
 # --------------------------------------------------------------- cache key
 # bumped when a change to the runtime or the drafters changes step times, so that profiles
 # cached by an older dspark are measured again instead of reused
@@ -228,6 +232,7 @@ class StepBench:
         self.slots = [self.cache.allocate() for _ in range(count)]
         context = torch.tensor(context_ids[: self.context_len], dtype=torch.int64)  # [L]
         anchor, taps = self._prefill(context)
+        self.context, self.taps = context, taps
         self.states = [drafter.new_state() for _ in range(count)]
         drafter.observe(self.states, [context] * count, None if taps is None else [taps] * count)
         self.anchors = torch.full((count,), anchor, dtype=torch.int64)  # [R]
@@ -303,6 +308,28 @@ class StepBench:
                 else spread_budget(budget, requests, block))
         count = self.settings.repeats if repeats is None else repeats
         return statistics.median(self.step_seconds(lens, include_propose) for _ in range(count))
+
+    @torch.no_grad()
+    def project_seconds(self, rows: int) -> float:
+        """Time processing `rows` pending context rows of one fresh request (`project_pending`
+        of a drafter that defers its context, see `Drafter.pending_rows`): the context's tokens
+        and taps tiled to `rows`, observed, then projected."""
+        repeat = -(-rows // self.context_len)
+        tokens = self.context.repeat(repeat)[:rows]
+        taps = None if self.taps is None else torch.cat([self.taps] * repeat)[:rows]
+        state = self.drafter.new_state()
+        try:
+            self.drafter.observe([state], [tokens], None if taps is None else [taps])
+            if self.drafter.pending_rows(state) != rows:
+                raise RuntimeError(f"{self.drafter.name} holds {self.drafter.pending_rows(state)} pending rows "
+                                   f"after observing {rows}; profile P(n) below its pending cap")
+            synchronize(self.device)
+            start = time.perf_counter()
+            self.drafter.project_pending([state])
+            synchronize(self.device)
+            return time.perf_counter() - start
+        finally:
+            self.drafter.release(state)
 
     def measure_propose(self, count: int) -> float:
         """Median seconds of one batched propose for `count` requests."""
@@ -390,14 +417,22 @@ def profile_engine(
         draft = load_or_profile(draft_key, lambda r: ready().propose_seconds(r), counts,
                                 path=path_of(draft_key), refresh=refresh, progress=progress,
                                 desc="profiling D(R)", passes=settings.repeats)
+        project = None
+        if hasattr(drafter, "project_pending"):  # it defers its context: P(n) apart (SplitCost)
+            project_key = profile_key(model_id, draft_name.replace("|draft", "|project", 1), dtype, device,
+                                      settings, extra)
+            project = load_or_profile(project_key, lambda n: ready().project_seconds(n), PROJECT_ROWS,
+                                      path=path_of(project_key), refresh=refresh, progress=progress,
+                                      desc="profiling P(n)", passes=settings.repeats)
     finally:
         if bench is not None:
             bench.close()
-    split = SplitCost(forward, draft.table)
+    split = SplitCost(forward, draft.table, None if project is None else project.table)
     per_request = 1 + drafter.block_size
     fewest = {b: math.ceil(b / per_request) for b in budgets}
     table = CostTable({b: split.seconds(b, fewest[b]) for b in budgets}, key=key)
-    return ProfileOutcome(table, path_of(forward_key), reused=forward_reused and draft.reused, cost=split)
+    reused = forward_reused and draft.reused and (project is None or project.reused)
+    return ProfileOutcome(table, path_of(forward_key), reused=reused, cost=split)
 
 
 def load_or_profile_grid(
@@ -456,6 +491,9 @@ def format_split(cost: SplitCost) -> str:
         lines.append(f"{b:>5}  " + " ".join(cells))
     lines.append(f"\n{'R':>5}  D ms")
     lines.extend(f"{r:>5}  {1e3 * s:>7.2f}" for r, s in cost.draft.points())
+    if cost.project is not None:
+        lines.append(f"\n{'n':>5}  P ms (pending context rows processed before a propose)")
+        lines.extend(f"{n:>5}  {1e3 * s:>7.2f}" for n, s in cost.project.points())
     return "\n".join(lines)
 
 

@@ -71,9 +71,11 @@ class StepTiming:
     drafted: int  # of them, requests that drafted (R'; 0: a plain decode step)
     budget: int  # tokens the target verified for them: R plus the verified draft tokens (B)
     seconds: float  # the whole step, wall clock
+    projected_rows: int = 0  # pending context rows the drafting requests' propose processed first
 
     def __post_init__(self) -> None:
-        if not (0 <= self.drafted <= self.requests <= self.budget) or self.requests < 1 or not self.seconds > 0:
+        if (not (0 <= self.drafted <= self.requests <= self.budget) or self.requests < 1 or not self.seconds > 0
+                or self.projected_rows < 0):
             raise ValueError(f"inconsistent step timing {self}")
 
 

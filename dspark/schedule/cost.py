@@ -475,12 +475,20 @@ class SplitCost:
 
     `given_requests(R', R)` is the single curve SPS(B) = 1 / (F(R, B) + D(R'))
     that Algorithm 1 walks for a batch of R requests, R' of which drafted.
+
+    P (`project`, optional) is what a drafter that processes context lazily
+    (`Drafter.pending_rows`) pays first in a propose: P(n) seconds for n pending
+    rows (its table's "budget" axis is n). D(R) is measured with no row pending.
+    The draft gate adds P of the rows its chosen requests hold (docs/LOAD.md,
+    run BH: at four clients with think time a chosen request held 100 rows on
+    average, and projecting them was half of the propose).
     """
 
-    def __init__(self, forward: "CostTable | ForwardGrid", draft: CostTable) -> None:
-        self.forward, self.draft = forward, draft  # as measured
-        # lookups of D read its isotonic fit: drafting for more requests is never cheaper
+    def __init__(self, forward: "CostTable | ForwardGrid", draft: CostTable, project: CostTable | None = None) -> None:
+        self.forward, self.draft, self.project = forward, draft, project  # as measured
+        # lookups of D and P read their isotonic fits: more requests or rows are never cheaper
         self._draft_fit = draft if draft.is_monotone else draft.monotone()
+        self._project_fit = None if project is None else project if project.is_monotone else project.monotone()
         self.key = forward.key
         # the draft gate prices every prefix of a step's admission path (R x G lookups a step);
         # the tables never change, so each (B, R) is read once
@@ -489,6 +497,11 @@ class SplitCost:
     def draft_seconds(self, requests: int) -> float:
         """D(R): one batched propose for `requests` requests (0 for none)."""
         return self._draft_fit.seconds_per_step(requests) if requests > 0 else 0.0
+
+    def project_seconds(self, rows: int) -> float:
+        """P(n): processing `rows` pending context rows before a propose (0 for none, or when no
+        P was measured)."""
+        return self._project_fit.seconds_per_step(rows) if rows > 0 and self._project_fit is not None else 0.0
 
     def forward_seconds(self, budget: int, requests: int) -> float:
         """F(R, B): the target forward of `requests` requests verifying `budget` tokens."""

@@ -70,6 +70,15 @@ at every 32-64 steps while nothing paid at 16 (session 42, step traces of 400
 steps: 8 probes and 0.82 s of drafting in 110 s, most of it projecting the
 probed requests' prompts; with a clock per class 5 probes and 0.49 s).
 
+Pending context: the DSpark drafter processes a request's context lazily, when the request
+is next drafted (`Drafter.pending_rows`), so drafting a request that just joined first
+projects its whole prompt, and one drafted long ago what it committed since. `best_drafts`
+adds P(the reached requests' pending rows) to a prefix's price (`SplitCost.project_seconds`,
+measured in the profile), the engine's step timings carry the rows a step processed, and a
+probe among equally stale requests takes the one with the fewest rows. Measured (docs/LOAD.md,
+run BH): at four clients with think time, the gate's own choices processed 145 rows a step
+(8.7 of their 18.5 ms of propose), priced at D alone, and lost about 1 % to no speculation.
+
 A drafter without a confidence head never yields a curve: the gate then
 drafts everyone, every step (the schedulers verify all its tokens).
 
@@ -171,15 +180,20 @@ class DraftGate:
         self.steps = 0
         self.blind = False  # a drafted request came back without confidences: no curves to be had
         self.probed = False  # the last choice included probes
+        self.pending: list[int] = []  # the last choice's pending context rows per request
         # measured / priced seconds of recent decode-only steps (decayed sums and counts), per kind
         self.cost_sums = {"plain": 0.0, "drafted": 0.0}
         self.cost_counts = {"plain": 0.0, "drafted": 0.0}
 
-    def choose(self, request_ids: Sequence[Hashable]) -> list[bool]:
-        """Which of these requests draft this step (in order)."""
+    def choose(self, request_ids: Sequence[Hashable], pending_rows: Sequence[int] | None = None) -> list[bool]:
+        """Which of these requests draft this step (in order). `pending_rows`: the context rows
+        each one's next propose must process first (`Drafter.pending_rows`; None: none)."""
         self.load_class = len(request_ids).bit_length()
         clock = self.clocks.setdefault(self.load_class, ProbeClock(self.probe_every))
         self.probed = False
+        if pending_rows is not None and len(pending_rows) != len(request_ids):
+            raise ValueError(f"pending_rows has {len(pending_rows)} entries for {len(request_ids)} requests")
+        self.pending = [0] * len(request_ids) if pending_rows is None else [int(n) for n in pending_rows]
         chosen = self._choose(list(request_ids), clock)
         clock.probed = self.probed
         clock.skipped = 0 if all(chosen) or self.probed else clock.skipped + 1
@@ -198,7 +212,7 @@ class DraftGate:
             proxy = _mean_curve(list(self.recent))
         ratio = self.acceptance_ratio()
         raw = [self.curves.get(i, proxy) for i in ids]
-        chosen = self.best_drafts([[min(1.0, a * ratio) for a in c] for c in raw])
+        chosen = self.best_drafts([[min(1.0, a * ratio) for a in c] for c in raw], self.pending)
         if any(chosen) and not self.would_verify(ids, raw, chosen):
             self.vetoed += 1
             chosen = [False] * len(ids)
@@ -228,9 +242,11 @@ class DraftGate:
 
     def _with_probes(self, ids: list[Hashable], chosen: list[bool]) -> list[bool]:
         """`chosen` plus the probe_size stalest requests it leaves out (no curve first, then
-        the oldest curves; ties in batch order)."""
+        the oldest curves; ties to the fewest pending context rows, the cheapest to draft, then
+        batch order)."""
         left_out = [k for k, draft in enumerate(chosen) if not draft]
-        left_out.sort(key=lambda k: self.refreshed.get(ids[k], -1))
+        pending = self.pending if len(self.pending) == len(ids) else [0] * len(ids)
+        left_out.sort(key=lambda k: (self.refreshed.get(ids[k], -1), pending[k]))
         probes = set(left_out[: self.probe_size(len(ids))])
         self.probed = True
         return [draft or k in probes for k, draft in enumerate(chosen)]
@@ -252,7 +268,8 @@ class DraftGate:
 
     def observe_step(self, timing: StepTiming) -> None:
         """After a decode-only step: compare its wall time with the profile's price of it."""
-        priced = self.cost.seconds(timing.budget, timing.requests, drafted=timing.drafted)
+        priced = (self.cost.seconds(timing.budget, timing.requests, drafted=timing.drafted)
+                  + self.cost.project_seconds(timing.projected_rows))
         ratio = min(RATIO_CLIP[1], max(RATIO_CLIP[0], timing.seconds / priced))
         kind = "drafted" if timing.drafted else "plain"
         self.cost_sums[kind] = COST_DECAY * self.cost_sums[kind] + ratio
@@ -278,24 +295,29 @@ class DraftGate:
         n = greedy_walk(cands, curve, r, r, early_stop=False)
         return (r + sum(a for _, _, a in cands[:n])) * curve.sps(r + n) / self.cost_ratio("drafted")
 
-    def best_drafts(self, curves: Sequence[Sequence[float]]) -> list[bool]:
+    def best_drafts(self, curves: Sequence[Sequence[float]], pending_rows: Sequence[int] | None = None) -> list[bool]:
         """The requests to draft for the highest expected tokens per second: walk the admission
         path of `curves` (Algorithm 1's order) pricing prefix n at F(R, R + n) + D(requests it
-        reaches), against a plain decode step (n = 0), and draft the best prefix's requests."""
+        reaches) + P(their pending context rows), against a plain decode step (n = 0), and draft
+        the best prefix's requests."""
         from dspark.schedule.prefix import ranked_candidates
 
         r = len(curves)
         cands = ranked_candidates(curves)
         best_rate, best_n = self.plain_rate(r), 0
         reached: set[int] = set()
-        accepts, drafted_ratio = float(r), self.cost_ratio("drafted")
+        accepts, drafted_ratio, rows, project = float(r), self.cost_ratio("drafted"), 0, 0.0
         forward_seconds, draft = self.cost.forward_seconds, [0.0]  # draft[k] = D(k), read once each
         for n, (request, _, a) in enumerate(cands, start=1):  # R x G candidates a step: kept lean
-            reached.add(request)
+            if request not in reached:
+                reached.add(request)
+                if pending_rows and pending_rows[request]:
+                    rows += pending_rows[request]
+                    project = self.cost.project_seconds(rows)
             accepts += a
             while len(draft) <= len(reached):
                 draft.append(self.cost.draft_seconds(len(draft)))
-            rate = accepts / ((forward_seconds(r + n, r) + draft[len(reached)]) * drafted_ratio)
+            rate = accepts / ((forward_seconds(r + n, r) + draft[len(reached)] + project) * drafted_ratio)
             if rate > best_rate:
                 best_rate, best_n = rate, n
         best_reached = {request for request, _, _ in cands[:best_n]}

@@ -31,7 +31,7 @@ class NoSpeculation:
 
     name = "none"
 
-    def choose_drafts(self, request_ids) -> list[bool]:
+    def choose_drafts(self, request_ids, pending_rows=None) -> list[bool]:
         """Nothing is ever verified, so nothing is drafted."""
         return [False] * len(request_ids)
 

@@ -131,9 +131,10 @@ class PrefixScheduler:
         self.cost = cost
         self.gate = DraftGate(cost) if isinstance(cost, SplitCost) else None
 
-    def choose_drafts(self, request_ids: Sequence[Hashable]) -> list[bool]:
-        """Before drafting: which requests draft this step? (past confidences only)"""
-        return [True] * len(request_ids) if self.gate is None else self.gate.choose(request_ids)
+    def choose_drafts(self, request_ids: Sequence[Hashable], pending_rows: Sequence[int] | None = None) -> list[bool]:
+        """Before drafting: which requests draft this step? (past confidences only; `pending_rows`:
+        the context rows each one's propose would process first, see `DraftGate.choose`)"""
+        return [True] * len(request_ids) if self.gate is None else self.gate.choose(request_ids, pending_rows)
 
     def decide(self, requests: list[ScheduleRequest]) -> list[int]:
         if not requests:
@@ -223,9 +224,9 @@ class AsyncPrefixScheduler:
         self._history.clear()
         self.last_capacity = None
 
-    def choose_drafts(self, request_ids: Sequence[Hashable]) -> list[bool]:
+    def choose_drafts(self, request_ids: Sequence[Hashable], pending_rows: Sequence[int] | None = None) -> list[bool]:
         """Before drafting: which requests draft this step? (see PrefixScheduler.choose_drafts)"""
-        return [True] * len(request_ids) if self.gate is None else self.gate.choose(request_ids)
+        return [True] * len(request_ids) if self.gate is None else self.gate.choose(request_ids, pending_rows)
 
     def would_verify(self, ids: Sequence[Hashable], curves: Sequence[Sequence[float]], chosen: Sequence[bool]) -> bool:
         """The draft gate's veto under this scheduler: would the next `decide` verify any token if
