@@ -76,8 +76,9 @@ projects its whole prompt, and one drafted long ago what it committed since. `be
 adds P(the reached requests' pending rows) to a prefix's price (`SplitCost.project_seconds`,
 measured in the profile), the engine's step timings carry the rows a step processed, and a
 probe among equally stale requests takes the one with the fewest rows. Measured (docs/LOAD.md,
-run BH): at four clients with think time, the gate's own choices processed 145 rows a step
-(8.7 of their 18.5 ms of propose), priced at D alone, and lost about 1 % to no speculation.
+runs BG and BH): at four clients with think time the gate's own choices processed 145 rows a
+step (8.7 of their 18.5 ms of propose), priced at D alone, and the causal scheduler ran at
+0.971x no speculation; pricing them, 0.996x.
 
 A drafter without a confidence head never yields a curve: the gate then
 drafts everyone, every step (the schedulers verify all its tokens).
