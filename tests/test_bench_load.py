@@ -190,8 +190,13 @@ def test_parse_arm():
     assert parse_arm("f=default:dspark:bf16=off") == Arm("f", "default", "dspark", drafter_bf16="off")
     assert parse_arm("g=/ckpt:fixed:7:bf16=on") == Arm("g", "/ckpt", "fixed", k=7, drafter_bf16="on")
     assert parse_arm("h=default:dspark").drafter_bf16 is None  # the environment's choice
+    old = parse_arm("i=default:dspark-async:pending=off")
+    assert old == Arm("i", "default", "dspark-async", gate_pending="off") and old.policy_options == {"pending": "off"}
+    assert parse_arm("j=default:dspark:bf16=on:pending=on").as_dict()["drafter_bf16"] == "on"
+    assert parse_arm("k=default:dspark").policy_options == {}
     for bad in ("noequals", "a=ngram", "a=ngram:bogus", "a=ngram:dspark:3", "a=ngram:fixed:x", "a=http://10.1.1.1:1",
-                "a=default:dspark:bf16=yes", "a=default:bf16=on"):
+                "a=default:dspark:bf16=yes", "a=default:bf16=on", "a=default:dspark:pending=maybe",
+                "a=default:fixed:7:pending=off"):
         with pytest.raises(UserError):
             parse_arm(bad)
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dspark.engine.engine import Engine, EngineConfig
+from dspark.errors import UserError
 from dspark.engine.generate import generate
 from dspark.engine.policy import build_policy
 from dspark.models.tiny import tiny_target
@@ -211,6 +212,16 @@ def test_the_gate_prices_the_pending_context_a_draft_must_process_first():
 
     gate.observe_step(StepTiming(2, 1, 5, cost.seconds(5, 2, drafted=1) + 0.04, projected_rows=400))
     assert gate.cost_ratio("drafted") == pytest.approx(1.0)
+    # the ablation (policy option pending="off"): rows ignored, as the gate before run BH
+    from dspark.schedule import make_policy
+
+    old = make_policy("dspark", cost, pending="off").gate
+    old.record([_req("a", [0.95, 0.98, 0.99]), _req("b", [0.9, 0.95, 0.95])])
+    assert old.choose(["a", "b"], [0, 400]) == [True, True]
+    assert make_policy("dspark-async", cost, pending="off").gate.price_pending is False
+    assert make_policy("dspark", cost).gate.price_pending is True
+    with pytest.raises(UserError, match="pending must be"):
+        make_policy("dspark", cost, pending="maybe")
 
 
 def test_probes_go_to_the_cheapest_of_the_equally_stale():

@@ -37,6 +37,7 @@ class Arm:
     url: str | None = None  # HTTP: a running server started with this drafter and policy
     pending: str | None = None  # why the arm cannot run yet; reported, never run
     drafter_bf16: str | None = None  # a learned drafter's bfloat16 path on the CPU: auto | on | off (None: the environment's)
+    gate_pending: str | None = None  # the schedulers' gate prices pending context rows: on | off (None: on)
 
     def __post_init__(self) -> None:
         if not self.name or "=" in self.name or "," in self.name:
@@ -45,6 +46,11 @@ class Arm:
             raise UserError(f"arm {self.name}: unknown policy {self.policy!r}; use one of {', '.join(SERVING_POLICIES)}")
         if self.drafter_bf16 not in (None, "auto", "on", "off"):
             raise UserError(f"arm {self.name}: bf16={self.drafter_bf16} is unknown; use bf16=auto, bf16=on or bf16=off")
+        if self.gate_pending not in (None, "on", "off"):
+            raise UserError(f"arm {self.name}: pending={self.gate_pending} is unknown; use pending=on or pending=off")
+        if self.gate_pending is not None and self.policy not in ("dspark", "dspark-async"):
+            raise UserError(f"arm {self.name}: pending= is an option of the dspark and dspark-async policies, "
+                            f"not {self.policy or 'a URL arm'}")
 
     @property
     def policy_options(self) -> dict:
@@ -52,6 +58,8 @@ class Arm:
             return {"k": self.k}
         if self.policy == "threshold":
             return {"threshold": self.threshold}
+        if self.gate_pending is not None:
+            return {"pending": self.gate_pending}
         return {}
 
     def as_dict(self) -> dict:
@@ -80,8 +88,13 @@ def parse_arm(spec: str) -> Arm:
     being k for `fixed` and the threshold for `threshold`; e.g.
     `nospec=none:none`, `ngram7=ngram:fixed:7`, `b=http://127.0.0.1:8001`. A learned drafter's
     arm may end in `:bf16=on` or `:bf16=off` (its bfloat16 path on the CPU, dspark.models.cpu_kernels),
-    e.g. `exact=default:dspark:bf16=off`."""
+    e.g. `exact=default:dspark:bf16=off`; a scheduler's arm in `:pending=off` (its draft gate ignores
+    the context rows a draft must process first, as before docs/LOAD.md run BH), e.g.
+    `old=default:dspark:pending=off`."""
     name, sep, value = spec.partition("=")
+    if sep and ":pending=" in value and not value.startswith(("http://", "https://")):
+        value, _, pending = value.rpartition(":pending=")
+        return Arm(**{**parse_arm(f"{name}={value}").as_dict(), "gate_pending": pending})
     if sep and ":bf16=" in value and not value.startswith(("http://", "https://")):
         value, _, bf16 = value.rpartition(":bf16=")
         return Arm(**{**_parse_plain_arm(f"{name}={value}").as_dict(), "drafter_bf16": bf16})

@@ -149,7 +149,7 @@ class DraftGate:
                  probe_fraction: float = 0.25, free_fraction: float = 0.02, max_probe_every: int | None = None,
                  max_probe: int = 4,
                  would_verify: Callable[[Sequence[Hashable], Sequence[Sequence[float]], Sequence[bool]], bool]
-                 | None = None) -> None:
+                 | None = None, price_pending: bool = True) -> None:
         if probe_every < 1 or history < 1:
             raise ValueError(f"probe_every and history must be >= 1, got {probe_every} and {history}")
         max_probe_every = 4 * probe_every if max_probe_every is None else max_probe_every
@@ -165,6 +165,7 @@ class DraftGate:
             raise ValueError(f"max_probe must be >= 1, got {max_probe}")
         self.cost, self.probe_every, self.decay, self.probe_fraction = cost, probe_every, decay, probe_fraction
         self.free_fraction, self.max_probe = free_fraction, max_probe
+        self.price_pending = price_pending  # False: pending context rows ignored (the gate before run BH)
         # the scheduler's rule: would it verify any token if these requests (ids, raw curves) drafted?
         self.would_verify = would_verify or (lambda ids, curves, chosen: self.verified_any(curves, chosen))
         self.vetoed = 0  # choices of drafts the scheduler's own walk would verify nothing of
@@ -194,7 +195,8 @@ class DraftGate:
         self.probed = False
         if pending_rows is not None and len(pending_rows) != len(request_ids):
             raise ValueError(f"pending_rows has {len(pending_rows)} entries for {len(request_ids)} requests")
-        self.pending = [0] * len(request_ids) if pending_rows is None else [int(n) for n in pending_rows]
+        priced = pending_rows is not None and self.price_pending
+        self.pending = [int(n) for n in pending_rows] if priced else [0] * len(request_ids)
         chosen = self._choose(list(request_ids), clock)
         clock.probed = self.probed
         clock.skipped = 0 if all(chosen) or self.probed else clock.skipped + 1
@@ -269,8 +271,9 @@ class DraftGate:
 
     def observe_step(self, timing: StepTiming) -> None:
         """After a decode-only step: compare its wall time with the profile's price of it."""
-        priced = (self.cost.seconds(timing.budget, timing.requests, drafted=timing.drafted)
-                  + self.cost.project_seconds(timing.projected_rows))
+        priced = self.cost.seconds(timing.budget, timing.requests, drafted=timing.drafted)
+        if self.price_pending:
+            priced += self.cost.project_seconds(timing.projected_rows)
         ratio = min(RATIO_CLIP[1], max(RATIO_CLIP[0], timing.seconds / priced))
         kind = "drafted" if timing.drafted else "plain"
         self.cost_sums[kind] = COST_DECAY * self.cost_sums[kind] + ratio

@@ -99,15 +99,26 @@ def _needs_cost(name: str, cost: CostTable | None) -> CostTable:
     return cost
 
 
+def _pending(options: dict) -> bool:
+    """The schedulers' `pending` option: "on" (default) prices the context rows a draft must
+    process first (`DraftGate`), "off" ignores them, as the gate did before docs/LOAD.md run BH."""
+    value = options.get("pending", "on")
+    if value not in ("on", "off"):
+        raise UserError(f"pending must be 'on' or 'off', got {value!r}")
+    return value == "on"
+
+
 # name -> (allowed options, factory(cost, options))
 _REGISTRY: dict[str, tuple[frozenset[str], Callable[[CostTable | None, dict], VerifyPolicy]]] = {
     "none": (frozenset(), lambda cost, o: NoSpeculation()),
     "fixed": (frozenset({"k"}), lambda cost, o: FixedLength(o["k"])),
     "threshold": (frozenset({"threshold"}), lambda cost, o: StaticThreshold(o["threshold"])),
-    "dspark": (frozenset(), lambda cost, o: PrefixScheduler(_needs_cost("dspark", cost))),
+    "dspark": (frozenset({"pending"}),
+               lambda cost, o: PrefixScheduler(_needs_cost("dspark", cost), price_pending=_pending(o))),
     "dspark-async": (
-        frozenset({"lag"}),
-        lambda cost, o: AsyncPrefixScheduler(_needs_cost("dspark-async", cost), lag=o.get("lag", 2)),
+        frozenset({"lag", "pending"}),
+        lambda cost, o: AsyncPrefixScheduler(_needs_cost("dspark-async", cost), lag=o.get("lag", 2),
+                                             price_pending=_pending(o)),
     ),
     "retrospective": (frozenset(), lambda cost, o: RetrospectivePrefixScheduler(_needs_cost("retrospective", cost))),
 }
