@@ -225,8 +225,9 @@ def matched_speed_goal(rows: list[dict], scheduler: str, roles: GoalRoles) -> di
         return {"goal": "matched_speed", "arm": scheduler, "status": "not measurable",
                 "why": f"needs closed-loop points of {scheduler} (>= 2 on its frontier) and {roles.mtp}"}
     if not checks:
+        low, high = sched[0][0], sched[-1][0]
         return {"goal": "matched_speed", "arm": scheduler, "status": "not measurable",
-                "why": f"no {roles.mtp} throughput inside {scheduler}'s range {sched[0][0]:.1f}..{sched[-1][0]:.1f} tok/s"}
+                "why": f"no {roles.mtp} throughput inside {scheduler}'s range {low:.1f}..{high:.1f} tok/s"}
     worst = min(c["ratio"] for c in checks)
     controls = [c["nospec_ratio"] for c in checks if c["nospec_ratio"] is not None]
     e2e, _ = _matched(rows, scheduler, roles, "e2e_tps_user")

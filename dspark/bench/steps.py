@@ -31,9 +31,9 @@ policy's), so the summary sets a probe step's cost beside a plain step's
 (0: the policy chooses). PROMPT_CHARS (default 300, as the load runs of
 `load_docs`) caps the prompts' length; `dspark bench serve` replays up to 2000.
 `--think-steps N` makes a finished request's successor wait about N steps (seeded), as the
-load bench's `--think-seconds` clients do (docs/LOAD.md, run BG). `--device cuda` traces the engine on a GPU: each phase and step is then timed to the
-end of its GPU work (synchronized), which says where the ~7 ms of a GPU step outside
-the forward go (docs/GPU.md, run AL).
+load bench's `--think-seconds` clients do (docs/LOAD.md, run BH). `--device cuda` traces the
+engine on a GPU: each phase and step is then timed to the end of its GPU work (synchronized),
+which says where the ~7 ms of a GPU step outside the forward go (docs/GPU.md, run AL).
 """
 
 from __future__ import annotations
