@@ -76,14 +76,6 @@ class RequestSample:
         tpot = self.tpot_s
         return None if not tpot else 1.0 / tpot
 
-    @property
-    def latency_tokens_per_s(self) -> float | None:
-        """Output tokens over the whole request, first-token wait included (end-to-end speed)."""
-        n = self.output_tokens
-        if self.status != "ok" or self.end_s is None or not n or self.end_s <= self.start_s:
-            return None
-        return n / (self.end_s - self.start_s)
-
     def fail(self, error: str, now: float) -> None:
         self.status, self.error, self.end_s = "failed", error, now
 
@@ -91,7 +83,6 @@ class RequestSample:
         return {
             "prompt_id": self.prompt_id, "status": self.status, "start_s": self.start_s, "end_s": self.end_s,
             "ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "tokens_per_s_user": self.tokens_per_s_user,
-            "latency_tokens_per_s": self.latency_tokens_per_s,
             "output_tokens": self.output_tokens, "finish_reason": self.finish_reason, "error": self.error,
             "verify_length": self.verify_length, "acceptance_length": self.acceptance_length,
         }

@@ -80,8 +80,7 @@ def trace_steps(engine, prompts: Sequence[list[int]], params, concurrency: int, 
     if concurrency < 1 or steps < 1 or not prompts or think_steps < 0:
         raise ValueError(f"need concurrency >= 1, steps >= 1, prompts and think_steps >= 0; got {concurrency}, "
                          f"{steps}, {len(prompts)}, {think_steps}")
-    rng = random.Random(f"think steps {seed}")
-    pauses = [0 if think_steps == 0 else int(rng.expovariate(1.0 / think_steps)) for _ in range(steps * concurrency)]
+    rng = random.Random(f"think steps {seed}")  # the k-th finished request's successor waits the k-th draw
     target, drafter = engine.target, engine.drafter
     device = next(target.parameters()).device
     cur: dict[str, float] = {}
@@ -134,7 +133,6 @@ def trace_steps(engine, prompts: Sequence[list[int]], params, concurrency: int, 
     records: list[StepRecord] = []
     next_prompt = 0
     joining: list[int] = []  # steps left before each pausing replacement joins
-    finished = 0  # requests finished so far (the index of the next pause)
 
     def add() -> None:
         nonlocal next_prompt
@@ -168,8 +166,7 @@ def trace_steps(engine, prompts: Sequence[list[int]], params, concurrency: int, 
             for out in outputs:
                 if out.finished:
                     engine.pop_finished(out.request_id)
-                    pause = pauses[finished % len(pauses)]
-                    finished += 1
+                    pause = int(rng.expovariate(1.0 / think_steps)) if think_steps else 0
                     if pause:
                         joining.append(pause)
                     else:

@@ -87,8 +87,8 @@ class Engine:
         self.num_steps = 0
         self.num_full_drafts = 0  # steps with decoding requests where every one of them drafted
         self.num_partial_drafts = 0  # ... where the policy drafted only some of them
-        self._projected_rows = 0  # pending context rows of the requests drafted in the last step
         self.num_draft_skips = 0  # ... where it drafted none (a plain decode step)
+        self._projected_rows = 0  # pending context rows of the requests drafted in the last step
         self.step_seconds = 0.0
 
     # ------------------------------------------------------------------ API

@@ -248,8 +248,7 @@ class DraftGate:
         the oldest curves; ties to the fewest pending context rows, the cheapest to draft, then
         batch order)."""
         left_out = [k for k, draft in enumerate(chosen) if not draft]
-        pending = self.pending if len(self.pending) == len(ids) else [0] * len(ids)
-        left_out.sort(key=lambda k: (self.refreshed.get(ids[k], -1), pending[k]))
+        left_out.sort(key=lambda k: (self.refreshed.get(ids[k], -1), self.pending[k]))
         probes = set(left_out[: self.probe_size(len(ids))])
         self.probed = True
         return [draft or k in probes for k, draft in enumerate(chosen)]
