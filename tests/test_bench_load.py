@@ -446,9 +446,48 @@ def test_paired_differences_set_each_arm_against_the_baseline_of_the_same_repeat
     path.write_text(json.dumps({"points": points}))
     main([str(path)])
     out = capsys.readouterr().out
-    assert "| a | closed | 64 | -1.0, -1.0 | -1.00 | 0.985x | 2 of 2 |" in out
-    assert "| b | closed | 64 | +2.0 | +2.00 | 1.025x | 0 of 1 |" in out
+    # two repeats: an interval with 12.7 sd of the mean on each side; one repeat: none
+    assert "| a | closed | 64 | -1.0, -1.0 | -1.00 | 0.985x | 0.959-1.012 | 2 of 2 |" in out
+    assert "| b | closed | 64 | +2.0 | +2.00 | 1.025x | - | 0 of 1 |" in out
     with pytest.raises(SystemExit, match="no points of the baseline arm 'mtp1'.*'a', 'b', 'nospec'"):
         main([str(path), "mtp1"])
     with pytest.raises(SystemExit, match="usage"):
         main([])
+    with pytest.raises(SystemExit, match="usage"):
+        main([str(path), "mtp1", "nospec"])
+
+
+def test_paired_pools_the_repeats_of_several_reports_into_one_interval(tmp_path, capsys):
+    from dspark.bench.paired import main, mean_interval, t975, verdict
+
+    assert t975(1) == 12.706 and t975(30) == 2.042
+    assert t975(31) == pytest.approx(2.0395, abs=1e-3) and t975(120) == pytest.approx(1.9799, abs=1e-3)
+    mean, low, high = mean_interval([0.97, 0.99, 0.98])
+    assert mean == pytest.approx(0.98) and high - mean == pytest.approx(4.303 * 0.01 / 3 ** 0.5)
+    assert mean_interval([0.9]) is None
+    assert verdict((0.98, 0.97, 0.99)) == "below" and verdict((1.02, 1.01, 1.03)) == "above"
+    assert verdict((1.0, 0.95, 1.05)) == "level" and verdict(None) == "-"
+
+    def report(name, think, ratios):
+        points = []
+        for repeat, ratio in enumerate(ratios):
+            base = 50.0 + 5 * repeat
+            points += [{"arm": "nospec", "pattern": "closed", "level": 4, "repeat": repeat, "throughput": base},
+                       {"arm": "a", "pattern": "closed", "level": 4, "repeat": repeat, "throughput": base * ratio}]
+        path = tmp_path / name
+        path.write_text(json.dumps({"settings": {"think_s": think}, "points": points}))
+        return str(path)
+
+    # two runs without pauses, each too short to tell 0.98x from 1 alone; one with pauses apart
+    first = report("first.json", 0, [0.97, 0.99, 0.96])
+    second = report("second.json", None, [0.99, 0.98, 0.97])
+    paused = report("paused.json", 1.0, [1.05, 0.96])
+    main([first, second, paused])
+    out = capsys.readouterr().out
+    assert "paused.json (think 1 s):" in out and "Pooled over the 3 reports" in out
+    alone = mean_interval([0.97, 0.99, 0.96])
+    assert alone[2] > 1.0  # one run alone: level
+    mean, low, high = mean_interval([0.97, 0.99, 0.96, 0.99, 0.98, 0.97])
+    assert high < 1.0
+    assert f"| a | closed | 4 | 0 | 2 | 6 | {mean:.3f}x | {low:.3f}-{high:.3f} | 6 of 6 | below |" in out
+    assert "| a | closed | 4 | 1 | 1 | 2 | 1.005x |" in out and out.rstrip().endswith("| level |")

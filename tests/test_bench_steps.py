@@ -147,6 +147,43 @@ def test_trace_marks_the_gates_probes_and_counts_what_was_verified():
     assert f"past one a request); {engine.policy.gate.vetoed} vetoes" in text
 
 
+def test_trace_sets_the_async_schedulers_snapshot_choices_beside_algorithm_1():
+    """In each step the asynchronous scheduler reads its capacity off the snapshot, the trace asks
+    Algorithm 1 what it would verify on the same confidences; the summary adds up the difference."""
+    target = tiny_target(seed=0)
+    cost = SplitCost(ForwardGrid({2: CostTable({2: 0.01, 8: 0.02})}), CostTable({1: 0.0001, 2: 0.0002}))
+    engine = Engine(target, NgramDrafter(block_size=3), make_policy("dspark-async", cost),
+                    EngineConfig(max_running=2, max_seq_len=64))
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5], [9, 10, 11, 9, 10, 11, 9, 10]]
+    records = trace_steps(engine, prompts, SamplingParams(temperature=0.0, max_new_tokens=8), 2, 16, progress=False)
+    snap = [r for r in records if r.snapshot]
+    assert snap and all(r.drafted for r in snap)  # only a drafted step's decide can read a snapshot
+    assert not any(r.causal_verified or r.causal_expected for r in records if not r.snapshot)
+    assert all(r.expected <= r.verified + 1e-9 and r.causal_expected <= r.causal_verified + 1e-9 for r in snap)
+    text = summarise(records, cost)
+    extra = sum(r.verified - r.causal_verified for r in snap)
+    assert f"   async: {len(snap)} decides read the snapshot; against Algorithm 1 on the same confidences " \
+           f"they verified {extra:+d} tokens" in text
+    # the causal scheduler's trace has no such line
+    causal = Engine(tiny_target(seed=0), NgramDrafter(block_size=3), make_policy("dspark", cost),
+                    EngineConfig(max_running=2, max_seq_len=64))
+    plain = trace_steps(causal, prompts, SamplingParams(temperature=0.0, max_new_tokens=8), 2, 8, progress=False)
+    assert not any(r.snapshot for r in plain) and "async:" not in summarise(plain, cost)
+
+
+def test_summary_prices_the_async_schedulers_difference_to_algorithm_1():
+    def rec(verified, causal, expected, causal_expected):
+        return StepRecord(seconds=0.03, forward=0.02, propose=0.01, observe=0.0, budget=2 + verified, requests=2,
+                          decoding=2, prefill=0, drafted=True, tokens=2, verified=verified, snapshot=True,
+                          causal_verified=causal, expected=expected, causal_expected=causal_expected)
+    records = [rec(4, 1, 1.2, 0.7), rec(0, 2, 0.0, 0.9), rec(3, 3, 1.0, 1.0)]
+    cost = SplitCost(ForwardGrid({2: CostTable({2: 0.010, 8: 0.022})}), CostTable({1: 0.001, 2: 0.002}))
+    text = summarise(records, cost)  # F(2, B) = 10 ms + 2 ms per verified token
+    assert ("   async: 3 decides read the snapshot; against Algorithm 1 on the same confidences they verified +1 "
+            "tokens (1 steps more, 1 fewer), -0.40 expected accepted tokens, +2.0 ms of target forward at the "
+            "profile's prices") in text
+
+
 def test_step_trace_names_its_device_and_times_to_the_end_of_device_work(monkeypatch):
     from dspark.bench import steps
     from dspark.errors import UserError

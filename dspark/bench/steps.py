@@ -12,7 +12,14 @@ With a draft gate (the prefix schedulers) it also records whether a drafted
 step was the gate's probe and how many draft tokens the scheduler then sent
 to verification, so the summary counts the gate's own choices that verified
 nothing, and its vetoes: session 27 found the asynchronous scheduler's gate
-drafting 31 of 32 requests for nothing this way (docs/LOAD.md, run AF).
+drafting 31 of 32 requests for nothing this way (docs/LOAD.md, run AF). Under the
+asynchronous scheduler, every step whose capacity K came from the snapshot two steps
+back is also set beside what Algorithm 1 would have verified on the same, current
+confidences (a shadow scheduler that only decides): the summary adds up the tokens
+verified beyond or short of it, the expected accepted tokens gained or lost, and what
+the difference cost at the profile's prices. That is the staleness's price, measured
+on the choices themselves rather than through the machine's noise (docs/LOAD.md,
+session 44).
 
 Session 21 found run Q's regression this way (docs/LOAD.md, runs R and S): the
 gate drafted two requests in nearly every step at 16 clients because the cached
@@ -64,6 +71,12 @@ class StepRecord:
     tokens: int  # tokens committed
     verified: int = 0  # draft tokens the policy sent to verification
     probe: bool = False  # the draft gate's probe chose (some of) the drafts
+    # the asynchronous scheduler, in a step where its capacity came from the snapshot: what
+    # Algorithm 1 would verify on the same confidences, and both choices' expected accepted tokens
+    snapshot: bool = False
+    causal_verified: int = 0
+    expected: float = 0.0
+    causal_expected: float = 0.0
 
 
 def trace_steps(engine, prompts: Sequence[list[int]], params, concurrency: int, steps: int,
@@ -111,9 +124,17 @@ def trace_steps(engine, prompts: Sequence[list[int]], params, concurrency: int, 
     policy, gate = engine.policy, getattr(engine.policy, "gate", None)
     policy_decide, policy_choose = policy.decide, getattr(policy, "choose_drafts", None)
 
-    def decide(*args, **kwargs):
-        lengths = policy_decide(*args, **kwargs)
+    shadow = _shadow_causal(policy)
+
+    def decide(requests, *args, **kwargs):
+        lengths = policy_decide(requests, *args, **kwargs)
         cur["verified"] = cur.get("verified", 0) + sum(lengths)
+        if shadow is not None and policy.last_capacity is not None:
+            causal = shadow.decide(requests)
+            cur["snapshot"] = True
+            cur["causal_verified"] = cur.get("causal_verified", 0) + sum(causal)
+            cur["expected"] = cur.get("expected", 0.0) + _expected_accepts(requests, lengths)
+            cur["causal_expected"] = cur.get("causal_expected", 0.0) + _expected_accepts(requests, causal)
         return lengths
 
     def choose(*args, **kwargs):
@@ -162,7 +183,9 @@ def trace_steps(engine, prompts: Sequence[list[int]], params, concurrency: int, 
                 requests=int(cur.get("requests", 0)), decoding=len(outputs), prefill=int(cur.get("prefill", 0)),
                 drafted=engine.num_full_drafts + engine.num_partial_drafts > drafted_before,
                 tokens=sum(len(o.new_token_ids) for o in outputs), verified=int(cur.get("verified", 0)),
-                probe=bool(cur.get("probe", False))))
+                probe=bool(cur.get("probe", False)), snapshot=bool(cur.get("snapshot", False)),
+                causal_verified=int(cur.get("causal_verified", 0)), expected=cur.get("expected", 0.0),
+                causal_expected=cur.get("causal_expected", 0.0)))
             for out in outputs:
                 if out.finished:
                     engine.pop_finished(out.request_id)
@@ -178,6 +201,28 @@ def trace_steps(engine, prompts: Sequence[list[int]], params, concurrency: int, 
             else:
                 setattr(obj, name, before)
     return records
+
+
+def _shadow_causal(policy):
+    """For the asynchronous scheduler (a policy with `last_capacity`), a gate-less Algorithm 1 on
+    its cost profile, asked in every step the scheduler read its capacity off the snapshot what it
+    would have verified instead; None for other policies."""
+    from dspark.schedule.prefix import PrefixScheduler
+
+    inner = getattr(policy, "policy", policy)
+    if not hasattr(inner, "last_capacity"):
+        return None
+    shadow = PrefixScheduler(inner.cost)
+    shadow.gate = None  # it only decides; the traced scheduler's gate chooses the drafts
+    return shadow
+
+
+def _expected_accepts(requests, lengths: Sequence[int]) -> float:
+    """Expected accepted draft tokens of verifying `lengths` of these requests: the sum of the
+    survivals a_{r,1..l_r} (requests without confidences count 0)."""
+    from dspark.schedule.base import survival
+
+    return sum(sum(survival(q)[:n]) for q, n in zip(requests, lengths) if q.confidences is not None)
 
 
 class EveryKthQuarter:
@@ -229,6 +274,20 @@ def summarise(records: Sequence[StepRecord], cost=None, vetoes: int | None = Non
                      f"({sum(r.verified == 0 for r in chosen)} verified nothing, propose "
                      f"{sum(r.propose for r in chosen):.2f} s, {sum(r.tokens - r.decoding for r in chosen)} tokens "
                      f"past one a request); {vetoes} vetoes")
+    snap = [r for r in records if r.snapshot]
+    if snap:
+        over = [r for r in snap if r.verified > r.causal_verified]
+        under = [r for r in snap if r.verified < r.causal_verified]
+        extra = sum(r.verified - r.causal_verified for r in snap)
+        gained = sum(r.expected - r.causal_expected for r in snap)
+        priced = ""
+        if cost is not None:
+            delta = sum(cost.forward_seconds(r.requests + r.verified, r.requests)
+                        - cost.forward_seconds(r.requests + r.causal_verified, r.requests) for r in snap)
+            priced = f", {1e3 * delta:+.1f} ms of target forward at the profile's prices"
+        lines.append(f"   async: {len(snap)} decides read the snapshot; against Algorithm 1 on the same confidences "
+                     f"they verified {extra:+d} tokens ({len(over)} steps more, {len(under)} fewer), "
+                     f"{gained:+.2f} expected accepted tokens{priced}")
     by_budget: dict[int, list[float]] = defaultdict(list)
     for r in decode:
         by_budget[r.budget].append(r.forward)
