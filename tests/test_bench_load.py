@@ -194,9 +194,11 @@ def test_parse_arm():
     assert old == Arm("i", "default", "dspark-async", gate_pending="off") and old.policy_options == {"pending": "off"}
     assert parse_arm("j=default:dspark:bf16=on:pending=on").as_dict()["drafter_bf16"] == "on"
     assert parse_arm("k=default:dspark").policy_options == {}
+    both = parse_arm("l=default:dspark:pending=off:choices=off")
+    assert both.gate_choices == "off" and both.policy_options == {"pending": "off", "choices": "off"}
     for bad in ("noequals", "a=ngram", "a=ngram:bogus", "a=ngram:dspark:3", "a=ngram:fixed:x", "a=http://10.1.1.1:1",
                 "a=default:dspark:bf16=yes", "a=default:bf16=on", "a=default:dspark:pending=maybe",
-                "a=default:fixed:7:pending=off"):
+                "a=default:fixed:7:pending=off", "a=default:dspark:choices=no", "a=none:none:choices=off"):
         with pytest.raises(UserError):
             parse_arm(bad)
 
@@ -491,3 +493,28 @@ def test_paired_pools_the_repeats_of_several_reports_into_one_interval(tmp_path,
     assert high < 1.0
     assert f"| a | closed | 4 | 0 | 2 | 6 | {mean:.3f}x | {low:.3f}-{high:.3f} | 6 of 6 | below |" in out
     assert "| a | closed | 4 | 1 | 1 | 2 | 1.005x |" in out and out.rstrip().endswith("| level |")
+
+
+def test_goal_1_sets_each_check_beside_its_paired_interval_without_changing_the_rule():
+    from types import SimpleNamespace
+
+    def points(arm, level, values):
+        return [SimpleNamespace(arm=arm, pattern="closed", level=level, repeat=r, throughput=v)
+                for r, v in enumerate(values)]
+
+    # at 16 clients the scheduler trails no speculation by 2 tok/s in every repeat: within the
+    # unpaired noise (two spreads of 1.5), but the paired ratio's interval lies below 1
+    measured = (points("nospec", 16, [99, 100, 101]) + points("dspark", 16, [97, 98, 99])
+                + points("nospec", 4, [50, 60, 55]) + points("dspark", 4, [48, 62, 51]))
+    rows = [_row("nospec", 16, 100, 3, 1.5), _row("dspark", 16, 98, 3, 1.5),
+            _row("nospec", 4, 55, 3, 5.0), _row("dspark", 4, 52.5, 3, 7.0)]
+    goal = check_goals(rows, [], GoalRoles(schedulers=("dspark",)), measured)[0]
+    assert goal["status"] == "met"
+    by_level = {c["concurrency"]: c for c in goal["checks"]}
+    mean, low, high = by_level[16]["paired"]
+    assert mean == pytest.approx(statistics.mean([97 / 99, 98 / 100, 99 / 101])) and high < 1.0
+    assert by_level[4]["paired"][1] < 1.0 < by_level[4]["paired"][2]
+    line = goal_lines([goal])[0]
+    assert "at c=4 (vs nospec, noise 8.6; paired" in line and ", level)" in line  # the worst margin, shown
+    assert f"; paired below at c=16 ({mean:.3f}x, 95 % {low:.3f}-{high:.3f})" in line
+    assert check_goals(rows, [], GoalRoles(schedulers=("dspark",)))[0]["checks"][0]["paired"] is None

@@ -597,3 +597,47 @@ def test_the_engine_tells_the_policy_each_requests_pending_context_rows():
     drafted = [t for t in policy.timings if t.drafted]
     assert drafted and drafted[0].projected_rows == 23
     assert all(t.projected_rows == 0 for t in policy.timings if not t.drafted)
+
+
+@pytest.mark.parametrize("choices", [True, False])
+def test_the_gate_learns_that_its_own_choices_on_stale_curves_fall_short(choices):
+    """Every round that went well (an honest curve of 0.9s, 3 of 3 accepted) is followed by one
+    that does not (an honest curve of 0.1s, nothing accepted): the acceptance ratio, which sets
+    fresh curves beside outcomes, stays near 1, but the gate, choosing after the good rounds,
+    gets nothing of what the stale curve promised. With `choices` it learns that and stops."""
+    from dspark.schedule import ScheduleOutcome
+
+    gate = DraftGate(_split(50, 5, 20), choices=choices)
+    good, poor = [0.9, 0.9, 0.9], [0.1, 0.1, 0.1]
+    for _ in range(8):
+        gate.record([_req("a", good)])  # a round the gate did not choose (a probe, say)
+        gate.observe_outcomes([ScheduleOutcome("a", 3, 3)])
+        if not gate.choose(["a"])[0]:
+            break
+        promise = sum(min(1.0, a * gate.acceptance_ratio()) for a in (0.9, 0.81, 0.729))  # the survivals
+        assert gate.promised["a"] == (pytest.approx(promise), 3)
+        gate.record([_req("a", poor)])
+        gate.observe_outcomes([ScheduleOutcome("a", 1, 0)])
+    assert 0.95 < gate.acceptance_ratio() < 1.25
+    gate.record([_req("a", good)])
+    if choices:
+        assert gate.choice_ratio() < 0.5 and gate.choose(["a"]) == [False]
+    else:
+        assert gate.choice_ratio() < 0.5 and gate.choose(["a"]) == [True]  # tracked, not applied
+
+
+def test_a_choice_is_judged_only_on_the_positions_the_gate_priced():
+    """The scheduler may verify more of a chosen draft than the gate priced; accepted tokens
+    beyond the priced positions are not evidence about the gate's promise."""
+    from dspark.schedule import ScheduleOutcome
+
+    gate = DraftGate(_split(50, 15, 20))  # verify 1: 1.9 / 85 ms; verify 2: 2.08 / 100 ms
+    gate.record([_req("a", [0.9, 0.2, 0.2])])
+    assert gate.choose(["a"]) == [True]
+    total, positions = gate.promised["a"]
+    assert positions == 1 and total == pytest.approx(0.9)
+    gate.observe_outcomes([ScheduleOutcome("a", 3, 3)])
+    assert gate.chosen_realised == 1 and gate.chosen_promised == pytest.approx(0.9)
+    assert gate.promised == {}
+    gate.observe_outcomes([ScheduleOutcome("a", 3, 3)])  # no choice pending: the choice sums stay
+    assert gate.chosen_realised == 1

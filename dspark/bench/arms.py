@@ -38,6 +38,7 @@ class Arm:
     pending: str | None = None  # why the arm cannot run yet; reported, never run
     drafter_bf16: str | None = None  # a learned drafter's bfloat16 path on the CPU: auto | on | off (None: the environment's)
     gate_pending: str | None = None  # the schedulers' gate prices pending context rows: on | off (None: on)
+    gate_choices: str | None = None  # the schedulers' gate corrects for choosing on stale curves: on | off (None: on)
 
     def __post_init__(self) -> None:
         if not self.name or "=" in self.name or "," in self.name:
@@ -46,11 +47,12 @@ class Arm:
             raise UserError(f"arm {self.name}: unknown policy {self.policy!r}; use one of {', '.join(SERVING_POLICIES)}")
         if self.drafter_bf16 not in (None, "auto", "on", "off"):
             raise UserError(f"arm {self.name}: bf16={self.drafter_bf16} is unknown; use bf16=auto, bf16=on or bf16=off")
-        if self.gate_pending not in (None, "on", "off"):
-            raise UserError(f"arm {self.name}: pending={self.gate_pending} is unknown; use pending=on or pending=off")
-        if self.gate_pending is not None and self.policy not in ("dspark", "dspark-async"):
-            raise UserError(f"arm {self.name}: pending= is an option of the dspark and dspark-async policies, "
-                            f"not {self.policy or 'a URL arm'}")
+        for option, value in (("pending", self.gate_pending), ("choices", self.gate_choices)):
+            if value not in (None, "on", "off"):
+                raise UserError(f"arm {self.name}: {option}={value} is unknown; use {option}=on or {option}=off")
+            if value is not None and self.policy not in ("dspark", "dspark-async"):
+                raise UserError(f"arm {self.name}: {option}= is an option of the dspark and dspark-async policies, "
+                                f"not {self.policy or 'a URL arm'}")
 
     @property
     def policy_options(self) -> dict:
@@ -58,9 +60,8 @@ class Arm:
             return {"k": self.k}
         if self.policy == "threshold":
             return {"threshold": self.threshold}
-        if self.gate_pending is not None:
-            return {"pending": self.gate_pending}
-        return {}
+        gate = {"pending": self.gate_pending, "choices": self.gate_choices}
+        return {k: v for k, v in gate.items() if v is not None}
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -90,8 +91,12 @@ def parse_arm(spec: str) -> Arm:
     arm may end in `:bf16=on` or `:bf16=off` (its bfloat16 path on the CPU, dspark.models.cpu_kernels),
     e.g. `exact=default:dspark:bf16=off`; a scheduler's arm in `:pending=off` (its draft gate ignores
     the context rows a draft must process first, as before docs/LOAD.md run BH), e.g.
-    `old=default:dspark:pending=off`."""
+    `old=default:dspark:pending=off`, and in `:choices=off` (its draft gate does not scale the
+    curves it chooses on by how its own choices fared, as before session 45)."""
     name, sep, value = spec.partition("=")
+    if sep and ":choices=" in value and not value.startswith(("http://", "https://")):
+        value, _, choices = value.rpartition(":choices=")
+        return Arm(**{**parse_arm(f"{name}={value}").as_dict(), "gate_choices": choices})
     if sep and ":pending=" in value and not value.startswith(("http://", "https://")):
         value, _, pending = value.rpartition(":pending=")
         return Arm(**{**parse_arm(f"{name}={value}").as_dict(), "gate_pending": pending})

@@ -9,7 +9,12 @@ Goals (paper 5.3-5.4, as the project states them):
      standard deviation of a difference of two single measurements,
      sqrt(sd_sched^2 + sd_best^2), from the repeats (1 repeat: no noise
      estimate, the margin must be >= 0). A run without one of the two
-     baselines is checked against the other and says so (`partial`);
+     baselines is checked against the other and says so (`partial`). Beside
+     it, for information (the rule stays the one above, so that runs keep
+     comparable verdicts), each check carries the paired ratio to that
+     baseline, repeat by repeat, and its 95 % Student-t interval: arms are
+     interleaved within every repeat, so the pair cancels the machine's drift
+     that widens both arms' spreads (`dspark.bench.paired`);
   2. at matched aggregate throughput, per-user speed >= 1.6x MTP-1's. Each
      arm's closed-loop points are cut to their frontier (the points no other
      point of the same arm beats on both throughput and tokens/s/user; past
@@ -145,8 +150,19 @@ def _row(rows: list[dict], arm: str, level: float) -> dict | None:
     return next((r for r in rows if r["arm"] == arm and r["pattern"] == "closed" and r["level"] == level), None)
 
 
-def throughput_goal(rows: list[dict], scheduler: str, roles: GoalRoles) -> dict:
-    """Goal 1 for one scheduler arm (see the module docstring)."""
+def _paired(points: list, arm: str, baseline: str, level: float) -> tuple[float, float, float] | None:
+    """(mean, low, high) of `arm`'s throughput / `baseline`'s over the repeats in which both measured
+    closed-loop `level`: the 95 % Student-t interval of the paired ratio (None under two repeats)."""
+    from dspark.bench.paired import mean_interval
+
+    by = {(p.arm, p.repeat): p.throughput for p in points if p.pattern == "closed" and p.level == level}
+    ratios = [by[(arm, r)] / by[(baseline, r)] for a, r in by if a == arm and by.get((baseline, r), 0) > 0]
+    return mean_interval(ratios)
+
+
+def throughput_goal(rows: list[dict], scheduler: str, roles: GoalRoles, points: list = ()) -> dict:
+    """Goal 1 for one scheduler arm (see the module docstring); `points`, the per-repeat
+    measurements, give each check its paired ratio and interval."""
     need = [scheduler, roles.nospec, roles.fixed]
     levels = sorted({r["level"] for r in rows if r["pattern"] == "closed" and r["arm"] == scheduler})
     checks = []
@@ -162,7 +178,7 @@ def throughput_goal(rows: list[dict], scheduler: str, roles: GoalRoles) -> dict:
         margin = sched["throughput"] - best["throughput"]
         checks.append({"concurrency": level, "scheduler": sched["throughput"], "best_baseline": best["arm"],
                        "baseline": best["throughput"], "margin": margin, "noise": noise,
-                       "met": margin >= -(noise or 0.0)})
+                       "met": margin >= -(noise or 0.0), "paired": _paired(points, scheduler, best["arm"], level)})
     if not checks:
         return {"goal": "throughput", "arm": scheduler, "status": "not measurable",
                 "why": f"needs closed-loop points of {', '.join(need)} at the same concurrency"}
@@ -239,12 +255,13 @@ def matched_speed_goal(rows: list[dict], scheduler: str, roles: GoalRoles) -> di
             "status": "met" if worst >= roles.speedup else "missed", "checks": checks, "e2e_checks": e2e}
 
 
-def check_goals(rows: list[dict], arms: list[dict], roles: GoalRoles = GoalRoles()) -> list[dict]:
+def check_goals(rows: list[dict], arms: list[dict], roles: GoalRoles = GoalRoles(), points: list = ()) -> list[dict]:
     pending = {a["name"]: a["pending"] for a in arms if a.get("pending")}
     out = []
     for scheduler in roles.schedulers:
         for goal in (throughput_goal, matched_speed_goal):
-            result = goal(rows, scheduler, roles)
+            result = (throughput_goal(rows, scheduler, roles, points) if goal is throughput_goal
+                      else matched_speed_goal(rows, scheduler, roles))
             involved = [scheduler, roles.nospec, roles.fixed] if goal is throughput_goal else [scheduler, roles.mtp]
             why = [f"{a}: {pending[a]}" for a in involved if a in pending]
             if result["status"] == "not measurable" and why:
@@ -270,7 +287,7 @@ class LoadReport:
     def build(cls, **kw) -> "LoadReport":
         report = cls(**kw)
         report.summary = aggregate(report.points)
-        report.goals = check_goals(report.summary, report.arms, roles_for(report.arms))
+        report.goals = check_goals(report.summary, report.arms, roles_for(report.arms), report.points)
         return report
 
     @classmethod

@@ -26,7 +26,7 @@ gate drafted two requests in nearly every step at 16 clients because the cached
 profile said a step verifying 18 tokens (125 ms) was cheaper than a plain one of
 16 (153 ms); the trace measured 131 and 136 ms.
 
-    .venv/bin/python -m dspark.bench.steps DRAFTER POLICY CONCURRENCY STEPS [PROBE_EVERY [PROMPT_CHARS]] [--device D]
+    .venv/bin/python -m dspark.bench.steps DRAFTER POLICY[:OPTION=VALUE...] CONCURRENCY STEPS [PROBE_EVERY [PROMPT_CHARS]] [--device D]
         [--think-steps N]
 
 runs the embedded target on the evaluation prompts (greedy, 64 new tokens, one
@@ -299,7 +299,8 @@ def summarise(records: Sequence[StepRecord], cost=None, vetoes: int | None = Non
 
 
 def main(argv: list[str]) -> None:
-    """DRAFTER POLICY CONCURRENCY STEPS [PROBE_EVERY [PROMPT_CHARS]] [--device D] (no argparse outside cli.py)."""
+    """DRAFTER POLICY[:OPTION=VALUE...] CONCURRENCY STEPS [PROBE_EVERY [PROMPT_CHARS]] [--device D] (no argparse
+    outside cli.py)."""
     from dspark.models.device import resolve_device
 
     device, think_steps = "cpu", 0.0
@@ -331,14 +332,16 @@ def main(argv: list[str]) -> None:
     from dspark.schedule import make_policy
     from dspark.types import SamplingParams
 
-    drafter_spec, policy_name, concurrency, steps = argv[0], argv[1], int(argv[2]), int(argv[3])
+    drafter_spec, policy_spec, concurrency, steps = argv[0], argv[1], int(argv[2]), int(argv[3])
     torch.set_num_threads(1)  # as the load benchmark (dspark.bench.load_docs)
     loaded = load_target(None, device=device)
     probe_every = int(argv[4]) if len(argv) > 4 else 0
     prompts = load_prompts("all", max_chars=int(argv[5]) if len(argv) > 5 else 300)
     backend = InProcessBackend(loaded, prompts, SamplingSpec(max_new_tokens=64), concurrency, embedded=True)
+    policy_name, *extra = policy_spec.split(":")  # e.g. dspark:choices=off (the policy's on/off options)
     drafter, cost = backend._arm_parts(Arm("traced", drafter_spec, policy_name))
     options = {"k": drafter.block_size} if policy_name == "fixed" else {}
+    options.update(option.partition("=")[::2] for option in extra)
     policy = make_policy(policy_name, cost, **options)
     if probe_every:
         policy = EveryKthQuarter(policy, probe_every)
@@ -348,9 +351,13 @@ def main(argv: list[str]) -> None:
                           concurrency, steps, think_steps=think_steps)
     forced = f", a quarter drafted every {probe_every} steps" if probe_every else ""
     forced += f", successors waiting {think_steps:g} steps on average" if think_steps else ""
-    print(f"{drafter_spec} / {policy_name}, {concurrency} requests{forced}")
+    print(f"{drafter_spec} / {policy_spec}, {concurrency} requests{forced}")
     gate = getattr(getattr(policy, "policy", policy), "gate", None)
     print(summarise(records, cost, None if gate is None else gate.vetoed))
+    if gate is not None:
+        print(f"   gate at the end: acceptance ratio {gate.acceptance_ratio():.3f}; its own choices accepted "
+              f"{gate.chosen_realised:.2f} of {gate.chosen_promised:.2f} promised tokens (decayed sums), choice "
+              f"ratio {gate.choice_ratio():.3f}{'' if gate.choices else ' (not applied)'}")
 
 
 if __name__ == "__main__":

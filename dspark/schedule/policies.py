@@ -99,12 +99,13 @@ def _needs_cost(name: str, cost: CostTable | None) -> CostTable:
     return cost
 
 
-def _pending(options: dict) -> bool:
-    """The schedulers' `pending` option: "on" (default) prices the context rows a draft must
-    process first (`DraftGate`), "off" ignores them, as the gate did before docs/LOAD.md run BH."""
-    value = options.get("pending", "on")
+def _switch(options: dict, name: str) -> bool:
+    """A scheduler's on/off gate option (default on): `pending` prices the context rows a draft
+    must process first (`DraftGate`; off: as the gate was before docs/LOAD.md run BH), `choices`
+    scales the curves the gate chooses on by how its own choices fared (off: as before session 45)."""
+    value = options.get(name, "on")
     if value not in ("on", "off"):
-        raise UserError(f"pending must be 'on' or 'off', got {value!r}")
+        raise UserError(f"{name} must be 'on' or 'off', got {value!r}")
     return value == "on"
 
 
@@ -113,12 +114,13 @@ _REGISTRY: dict[str, tuple[frozenset[str], Callable[[CostTable | None, dict], Ve
     "none": (frozenset(), lambda cost, o: NoSpeculation()),
     "fixed": (frozenset({"k"}), lambda cost, o: FixedLength(o["k"])),
     "threshold": (frozenset({"threshold"}), lambda cost, o: StaticThreshold(o["threshold"])),
-    "dspark": (frozenset({"pending"}),
-               lambda cost, o: PrefixScheduler(_needs_cost("dspark", cost), price_pending=_pending(o))),
+    "dspark": (frozenset({"pending", "choices"}),
+               lambda cost, o: PrefixScheduler(_needs_cost("dspark", cost), price_pending=_switch(o, "pending"),
+                                               choices=_switch(o, "choices"))),
     "dspark-async": (
-        frozenset({"lag", "pending"}),
+        frozenset({"lag", "pending", "choices"}),
         lambda cost, o: AsyncPrefixScheduler(_needs_cost("dspark-async", cost), lag=o.get("lag", 2),
-                                             price_pending=_pending(o)),
+                                             price_pending=_switch(o, "pending"), choices=_switch(o, "choices")),
     ),
     "retrospective": (frozenset(), lambda cost, o: RetrospectivePrefixScheduler(_needs_cost("retrospective", cost))),
 }

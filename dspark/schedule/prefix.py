@@ -127,9 +127,10 @@ class PrefixScheduler:
 
     name = "dspark"
 
-    def __init__(self, cost: CostTable | SplitCost, price_pending: bool = True) -> None:
+    def __init__(self, cost: CostTable | SplitCost, price_pending: bool = True, choices: bool = True) -> None:
         self.cost = cost
-        self.gate = DraftGate(cost, price_pending=price_pending) if isinstance(cost, SplitCost) else None
+        self.gate = (DraftGate(cost, price_pending=price_pending, choices=choices)
+                     if isinstance(cost, SplitCost) else None)
 
     def choose_drafts(self, request_ids: Sequence[Hashable], pending_rows: Sequence[int] | None = None) -> list[bool]:
         """Before drafting: which requests draft this step? (past confidences only; `pending_rows`:
@@ -209,7 +210,8 @@ class AsyncPrefixScheduler:
 
     name = "dspark-async"
 
-    def __init__(self, cost: CostTable | SplitCost, lag: int = 2, price_pending: bool = True) -> None:
+    def __init__(self, cost: CostTable | SplitCost, lag: int = 2, price_pending: bool = True,
+                 choices: bool = True) -> None:
         if lag < 1:
             raise ValueError(f"lag must be >= 1, got {lag}")
         self.cost = cost
@@ -217,7 +219,7 @@ class AsyncPrefixScheduler:
         self._history: deque[list[ScheduleRequest]] = deque(maxlen=lag)
         self._causal = PrefixScheduler(cost)
         self.last_capacity: int | None = None  # K of the last decide before clipping (None: causal fallback)
-        self.gate = (DraftGate(cost, would_verify=self.would_verify, price_pending=price_pending)
+        self.gate = (DraftGate(cost, would_verify=self.would_verify, price_pending=price_pending, choices=choices)
                      if isinstance(cost, SplitCost) else None)
 
     def reset(self) -> None:
