@@ -641,3 +641,14 @@ def test_a_choice_is_judged_only_on_the_positions_the_gate_priced():
     assert gate.promised == {}
     gate.observe_outcomes([ScheduleOutcome("a", 3, 3)])  # no choice pending: the choice sums stay
     assert gate.chosen_realised == 1
+
+
+def test_the_choice_correction_is_off_by_default_and_an_option_of_both_schedulers():
+    from dspark.schedule import make_policy
+
+    cost = _split(50, 5, 20)
+    for name in ("dspark", "dspark-async"):
+        assert make_policy(name, cost).gate.choices is False
+        assert make_policy(name, cost, choices="on").gate.choices is True
+        with pytest.raises(UserError, match="choices must be 'on' or 'off'"):
+            make_policy(name, cost, choices="maybe")

@@ -38,7 +38,7 @@ class Arm:
     pending: str | None = None  # why the arm cannot run yet; reported, never run
     drafter_bf16: str | None = None  # a learned drafter's bfloat16 path on the CPU: auto | on | off (None: the environment's)
     gate_pending: str | None = None  # the schedulers' gate prices pending context rows: on | off (None: on)
-    gate_choices: str | None = None  # the schedulers' gate corrects for choosing on stale curves: on | off (None: on)
+    gate_choices: str | None = None  # the schedulers' gate corrects for choosing on stale curves: on | off (None: off)
 
     def __post_init__(self) -> None:
         if not self.name or "=" in self.name or "," in self.name:
@@ -91,8 +91,8 @@ def parse_arm(spec: str) -> Arm:
     arm may end in `:bf16=on` or `:bf16=off` (its bfloat16 path on the CPU, dspark.models.cpu_kernels),
     e.g. `exact=default:dspark:bf16=off`; a scheduler's arm in `:pending=off` (its draft gate ignores
     the context rows a draft must process first, as before docs/LOAD.md run BH), e.g.
-    `old=default:dspark:pending=off`, and in `:choices=off` (its draft gate does not scale the
-    curves it chooses on by how its own choices fared, as before session 45)."""
+    `old=default:dspark:pending=off`, and in `:choices=on` (its draft gate also scales the curves
+    it chooses on by how its own choices fared; off by default, docs/LOAD.md run BP)."""
     name, sep, value = spec.partition("=")
     if sep and ":choices=" in value and not value.startswith(("http://", "https://")):
         value, _, choices = value.rpartition(":choices=")

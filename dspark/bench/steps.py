@@ -338,7 +338,7 @@ def main(argv: list[str]) -> None:
     probe_every = int(argv[4]) if len(argv) > 4 else 0
     prompts = load_prompts("all", max_chars=int(argv[5]) if len(argv) > 5 else 300)
     backend = InProcessBackend(loaded, prompts, SamplingSpec(max_new_tokens=64), concurrency, embedded=True)
-    policy_name, *extra = policy_spec.split(":")  # e.g. dspark:choices=off (the policy's on/off options)
+    policy_name, *extra = policy_spec.split(":")  # e.g. dspark:choices=on (the policy's on/off options)
     drafter, cost = backend._arm_parts(Arm("traced", drafter_spec, policy_name))
     options = {"k": drafter.block_size} if policy_name == "fixed" else {}
     options.update(option.partition("=")[::2] for option in extra)

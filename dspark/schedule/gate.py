@@ -86,10 +86,12 @@ curse of choosing on noisy estimates); the acceptance ratio above cannot see it,
 the fresh curves of each verified round beside what was accepted. So the gate also keeps, over
 its own choices alone (not probes), what its scaled stale curves promised for the tokens it
 priced and what the verifier then accepted of those requests (`choice_ratio`, decayed sums with
-the same prior), and scales the curves it chooses on by that too (`choices=False` turns it
-off, as the gate was before session 45). Measured (docs/LOAD.md, session 45): at four requests
+the same prior); with `choices=True` it scales the curves it chooses on by that too. Off by
+default: in an A/B load run (docs/LOAD.md, run BP) the corrected gate drafted in fewer steps and
+read 0.958x the uncorrected one at four clients (below in all four repeats) and 1.001x at two. Measured (docs/LOAD.md, session 45): at four requests
 the causal scheduler's own choices produced 85.9 tok/s in the steps they drafted against 92.5 in
-plain ones.
+plain ones, and over 800-step traces the verifier accepted 0.75 (two requests) and 0.85 (four) of
+what the gate's stale curves had promised for its choices (prior included).
 
 A drafter without a confidence head never yields a curve: the gate then
 drafts everyone, every step (the schedulers verify all its tokens).
@@ -160,7 +162,7 @@ class DraftGate:
                  probe_fraction: float = 0.25, free_fraction: float = 0.02, max_probe_every: int | None = None,
                  max_probe: int = 4,
                  would_verify: Callable[[Sequence[Hashable], Sequence[Sequence[float]], Sequence[bool]], bool]
-                 | None = None, price_pending: bool = True, choices: bool = True) -> None:
+                 | None = None, price_pending: bool = True, choices: bool = False) -> None:
         if probe_every < 1 or history < 1:
             raise ValueError(f"probe_every and history must be >= 1, got {probe_every} and {history}")
         max_probe_every = 4 * probe_every if max_probe_every is None else max_probe_every
@@ -177,7 +179,7 @@ class DraftGate:
         self.cost, self.probe_every, self.decay, self.probe_fraction = cost, probe_every, decay, probe_fraction
         self.free_fraction, self.max_probe = free_fraction, max_probe
         self.price_pending = price_pending  # False: pending context rows ignored (the gate before run BH)
-        self.choices = choices  # False: curves not scaled by choice_ratio (the gate before session 45)
+        self.choices = choices  # True: curves also scaled by choice_ratio (off by default, see the docstring)
         # the scheduler's rule: would it verify any token if these requests (ids, raw curves) drafted?
         self.would_verify = would_verify or (lambda ids, curves, chosen: self.verified_any(curves, chosen))
         self.vetoed = 0  # choices of drafts the scheduler's own walk would verify nothing of

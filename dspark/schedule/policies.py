@@ -99,11 +99,11 @@ def _needs_cost(name: str, cost: CostTable | None) -> CostTable:
     return cost
 
 
-def _switch(options: dict, name: str) -> bool:
-    """A scheduler's on/off gate option (default on): `pending` prices the context rows a draft
+def _switch(options: dict, name: str, default: str) -> bool:
+    """A scheduler's on/off gate option: `pending` (default on) prices the context rows a draft
     must process first (`DraftGate`; off: as the gate was before docs/LOAD.md run BH), `choices`
-    scales the curves the gate chooses on by how its own choices fared (off: as before session 45)."""
-    value = options.get(name, "on")
+    (default off, run BP) scales the curves the gate chooses on by how its own choices fared."""
+    value = options.get(name, default)
     if value not in ("on", "off"):
         raise UserError(f"{name} must be 'on' or 'off', got {value!r}")
     return value == "on"
@@ -115,12 +115,13 @@ _REGISTRY: dict[str, tuple[frozenset[str], Callable[[CostTable | None, dict], Ve
     "fixed": (frozenset({"k"}), lambda cost, o: FixedLength(o["k"])),
     "threshold": (frozenset({"threshold"}), lambda cost, o: StaticThreshold(o["threshold"])),
     "dspark": (frozenset({"pending", "choices"}),
-               lambda cost, o: PrefixScheduler(_needs_cost("dspark", cost), price_pending=_switch(o, "pending"),
-                                               choices=_switch(o, "choices"))),
+               lambda cost, o: PrefixScheduler(_needs_cost("dspark", cost), price_pending=_switch(o, "pending", "on"),
+                                               choices=_switch(o, "choices", "off"))),
     "dspark-async": (
         frozenset({"lag", "pending", "choices"}),
         lambda cost, o: AsyncPrefixScheduler(_needs_cost("dspark-async", cost), lag=o.get("lag", 2),
-                                             price_pending=_switch(o, "pending"), choices=_switch(o, "choices")),
+                                             price_pending=_switch(o, "pending", "on"),
+                                             choices=_switch(o, "choices", "off")),
     ),
     "retrospective": (frozenset(), lambda cost, o: RetrospectivePrefixScheduler(_needs_cost("retrospective", cost))),
 }

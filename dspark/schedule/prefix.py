@@ -127,7 +127,7 @@ class PrefixScheduler:
 
     name = "dspark"
 
-    def __init__(self, cost: CostTable | SplitCost, price_pending: bool = True, choices: bool = True) -> None:
+    def __init__(self, cost: CostTable | SplitCost, price_pending: bool = True, choices: bool = False) -> None:
         self.cost = cost
         self.gate = (DraftGate(cost, price_pending=price_pending, choices=choices)
                      if isinstance(cost, SplitCost) else None)
@@ -211,7 +211,7 @@ class AsyncPrefixScheduler:
     name = "dspark-async"
 
     def __init__(self, cost: CostTable | SplitCost, lag: int = 2, price_pending: bool = True,
-                 choices: bool = True) -> None:
+                 choices: bool = False) -> None:
         if lag < 1:
             raise ValueError(f"lag must be >= 1, got {lag}")
         self.cost = cost
