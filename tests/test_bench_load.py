@@ -518,3 +518,15 @@ def test_goal_1_sets_each_check_beside_its_paired_interval_without_changing_the_
     assert "at c=4 (vs nospec, noise 8.6; paired" in line and ", level)" in line  # the worst margin, shown
     assert f"; paired below at c=16 ({mean:.3f}x, 95 % {low:.3f}-{high:.3f})" in line
     assert check_goals(rows, [], GoalRoles(schedulers=("dspark",)))[0]["checks"][0]["paired"] is None
+
+
+def test_step_shape_reads_requests_and_milliseconds_per_decode_step():
+    from types import SimpleNamespace
+
+    from dspark.bench.load_report import step_shape
+
+    point = SimpleNamespace(drafted_steps={"all": 2, "some": 3, "none": 95}, rounds=364, duration_s=7.6)
+    batch, ms = step_shape(point)
+    assert batch == pytest.approx(3.64) and ms == pytest.approx(76.0)
+    assert step_shape(SimpleNamespace(drafted_steps={"all": 0, "some": 0, "none": 0}, rounds=0, duration_s=1.0)) \
+        == (None, None)

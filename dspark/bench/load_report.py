@@ -122,6 +122,16 @@ def shared_starts(samples: list[dict], window_s: float = SAME_START_S) -> float 
     return sum(close) / len(starts)
 
 
+def step_shape(point) -> tuple[float | None, float | None]:
+    """(requests decoded per decode step, milliseconds of the level per decode step) of one level:
+    arms that decode as many requests a step but take longer a step lose in the steps themselves,
+    not in how the load fills them (docs/LOAD.md, run BP). None without decode steps."""
+    steps = sum(point.drafted_steps.values())
+    if not steps:
+        return None, None
+    return point.rounds / steps, 1e3 * point.duration_s / steps
+
+
 def aggregate(points: list) -> list[dict]:
     """Means (and the throughput's standard deviation) over repeats, per (arm, pattern, level)."""
     groups: dict[tuple, list] = defaultdict(list)
@@ -142,6 +152,7 @@ def aggregate(points: list) -> list[dict]:
             "completed": sum(p.completed for p in ps), "failed": sum(p.failed for p in ps),
             "cut": sum(p.cut for p in ps),
             "drafted_steps": {k: sum(p.drafted_steps.get(k, 0) for p in ps) for k in DRAFTED_KINDS},
+            "step_batch": _mean([step_shape(p)[0] for p in ps]), "step_ms": _mean([step_shape(p)[1] for p in ps]),
         })
     return rows
 
@@ -259,10 +270,9 @@ def check_goals(rows: list[dict], arms: list[dict], roles: GoalRoles = GoalRoles
     pending = {a["name"]: a["pending"] for a in arms if a.get("pending")}
     out = []
     for scheduler in roles.schedulers:
-        for goal in (throughput_goal, matched_speed_goal):
-            result = (throughput_goal(rows, scheduler, roles, points) if goal is throughput_goal
-                      else matched_speed_goal(rows, scheduler, roles))
-            involved = [scheduler, roles.nospec, roles.fixed] if goal is throughput_goal else [scheduler, roles.mtp]
+        for result in (throughput_goal(rows, scheduler, roles, points), matched_speed_goal(rows, scheduler, roles)):
+            involved = ([scheduler, roles.nospec, roles.fixed] if result["goal"] == "throughput"
+                        else [scheduler, roles.mtp])
             why = [f"{a}: {pending[a]}" for a in involved if a in pending]
             if result["status"] == "not measurable" and why:
                 result["why"] = "; ".join(why)

@@ -19,7 +19,7 @@ confidences (a shadow scheduler that only decides): the summary adds up the toke
 verified beyond or short of it, the expected accepted tokens gained or lost, and what
 the difference cost at the profile's prices. That is the staleness's price, measured
 on the choices themselves rather than through the machine's noise (docs/LOAD.md,
-session 44).
+session 45).
 
 Session 21 found run Q's regression this way (docs/LOAD.md, runs R and S): the
 gate drafted two requests in nearly every step at 16 clients because the cached

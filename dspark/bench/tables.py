@@ -29,8 +29,9 @@ def _drafted(steps: dict | None) -> str:
 
 def summary_table(summary: list[dict]) -> str:
     head = ("| arm | load | repeats | throughput tok/s | tok/s/user | end-to-end tok/s/user | TTFT p50 s | "
-            "started together | verify budget | tau | steps drafting all / some / none | done / failed / cut |")
-    lines = [head, "|" + "---|" * 12]
+            "started together | verify budget | tau | requests a step | ms a step | "
+            "steps drafting all / some / none | done / failed / cut |")
+    lines = [head, "|" + "---|" * 14]
     order = {"closed": 0, "poisson": 1}
     for r in sorted(summary, key=lambda r: (order[r["pattern"]], r["level"], r["arm"])):
         sd = "" if r["throughput_sd"] is None else f" ± {r['throughput_sd']:.1f}"
@@ -38,7 +39,7 @@ def summary_table(summary: list[dict]) -> str:
             f"| {r['arm']} | {_level(r)} | {r['repeats']} | {r['throughput']:.1f}{sd} | {_f(r['tps_user'])} | "
             f"{_f(r.get('e2e_tps_user'))} | {_f(r['ttft_p50_s'], '.2f')} | {_percent(r.get('shared_starts'))} | "
             f"{_f(r['verify_budget'], '.2f')} | "
-            f"{_f(r['acceptance_length'], '.2f')} | "
+            f"{_f(r['acceptance_length'], '.2f')} | {_f(r.get('step_batch'), '.2f')} | {_f(r.get('step_ms'))} | "
             f"{_drafted(r.get('drafted_steps'))} | {r['completed']} / {r['failed']} / {r['cut']} |")
     return "\n".join(lines)
 

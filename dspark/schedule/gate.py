@@ -86,12 +86,12 @@ curse of choosing on noisy estimates); the acceptance ratio above cannot see it,
 the fresh curves of each verified round beside what was accepted. So the gate also keeps, over
 its own choices alone (not probes), what its scaled stale curves promised for the tokens it
 priced and what the verifier then accepted of those requests (`choice_ratio`, decayed sums with
-the same prior); with `choices=True` it scales the curves it chooses on by that too. Off by
-default: in an A/B load run (docs/LOAD.md, run BP) the corrected gate drafted in fewer steps and
-read 0.958x the uncorrected one at four clients (below in all four repeats) and 1.001x at two. Measured (docs/LOAD.md, session 45): at four requests
-the causal scheduler's own choices produced 85.9 tok/s in the steps they drafted against 92.5 in
-plain ones, and over 800-step traces the verifier accepted 0.75 (two requests) and 0.85 (four) of
-what the gate's stale curves had promised for its choices (prior included).
+the same prior). Measured (docs/LOAD.md, session 45): over 800-step traces the verifier accepted
+0.75 (two requests) and 0.85 (four) of what the stale curves had promised for the gate's choices
+(prior included). With `choices=True` the gate scales the curves it chooses on by that ratio too.
+Off by default: in an A/B load run (docs/LOAD.md, run BP) the corrected gate drafted in half as
+many steps and read 0.958x the uncorrected one at four clients (below in all four repeats) and
+1.001x at two.
 
 A drafter without a confidence head never yields a curve: the gate then
 drafts everyone, every step (the schedulers verify all its tokens).
