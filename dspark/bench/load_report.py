@@ -164,11 +164,11 @@ def _row(rows: list[dict], arm: str, level: float) -> dict | None:
 def _paired(points: list, arm: str, baseline: str, level: float) -> tuple[float, float, float] | None:
     """(mean, low, high) of `arm`'s throughput / `baseline`'s over the repeats in which both measured
     closed-loop `level`: the 95 % Student-t interval of the paired ratio (None under two repeats)."""
-    from dspark.bench.paired import mean_interval
+    from dspark.bench.paired import mean_interval, paired_differences
 
-    by = {(p.arm, p.repeat): p.throughput for p in points if p.pattern == "closed" and p.level == level}
-    ratios = [by[(arm, r)] / by[(baseline, r)] for a, r in by if a == arm and by.get((baseline, r), 0) > 0]
-    return mean_interval(ratios)
+    keys = ("pattern", "level", "arm", "repeat", "throughput")
+    pairs = paired_differences([{k: getattr(p, k) for k in keys} for p in points], baseline)
+    return mean_interval([ratio for _, ratio in pairs.get(("closed", level, arm), [])])
 
 
 def throughput_goal(rows: list[dict], scheduler: str, roles: GoalRoles, points: list = ()) -> dict:

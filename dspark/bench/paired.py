@@ -75,7 +75,8 @@ def verdict(interval: tuple[float, float, float] | None) -> str:
     return "below" if high < 1.0 else "above" if low > 1.0 else "level"
 
 
-def _interval_cell(interval: tuple[float, float, float] | None) -> str:
+def interval_cell(interval: tuple[float, float, float] | None) -> str:
+    """'low-high' of a `mean_interval` ('-' without one)."""
     return "-" if interval is None else f"{interval[1]:.3f}-{interval[2]:.3f}"
 
 
@@ -115,7 +116,7 @@ def main(argv: list[str]) -> None:
             below = sum(d < 0 for d, _ in rows)
             interval = mean_interval([r for _, r in rows])
             print(f"| {arm} | {pattern} | {level:g} | {diffs} | {statistics.mean(d for d, _ in rows):+.2f} "
-                  f"| {statistics.mean(r for _, r in rows):.3f}x | {_interval_cell(interval)} "
+                  f"| {statistics.mean(r for _, r in rows):.3f}x | {interval_cell(interval)} "
                   f"| {below} of {len(rows)} |")
             key = (pattern, level, think, arm)
             pooled.setdefault(key, []).extend(rows)
@@ -127,12 +128,11 @@ def main(argv: list[str]) -> None:
     print(f"| arm | pattern | load | think s | runs | repeats | mean ratio to {baseline} | 95 % interval "
           f"| below in | verdict |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for (pattern, level, think, arm), rows in sorted(pooled.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2],
-                                                                                     kv[0][3])):
+    for (pattern, level, think, arm), rows in sorted(pooled.items()):
         ratios = [r for _, r in rows]
         interval = mean_interval(ratios)
         print(f"| {arm} | {pattern} | {level:g} | {think:g} | {runs[(pattern, level, think, arm)]} | {len(rows)} "
-              f"| {statistics.mean(ratios):.3f}x | {_interval_cell(interval)} | {sum(d < 0 for d, _ in rows)} of "
+              f"| {statistics.mean(ratios):.3f}x | {interval_cell(interval)} | {sum(d < 0 for d, _ in rows)} of "
               f"{len(rows)} | {verdict(interval)} |")
 
 

@@ -4,7 +4,7 @@ into docs/LOAD.md together with the command that produced them)."""
 from __future__ import annotations
 
 from dspark.bench.clients import DRAFTED_KINDS
-from dspark.bench.paired import verdict
+from dspark.bench.paired import interval_cell, verdict
 
 
 def _f(value, fmt: str = ".1f") -> str:
@@ -60,13 +60,13 @@ def goal_lines(goals: list[dict]) -> list[str]:
                 noise = "no noise estimate" if c["noise"] is None else f"noise {c['noise']:.1f}"
                 paired = c.get("paired")
                 if paired is not None:
-                    noise += f"; paired {paired[0]:.3f}x, 95 % {paired[1]:.3f}-{paired[2]:.3f}, {verdict(paired)}"
+                    noise += f"; paired {paired[0]:.3f}x, 95 % {interval_cell(paired)}, {verdict(paired)}"
                 parts.append(f"{c['margin']:+.1f} tok/s at c={c['concurrency']:g} (vs {c['best_baseline']}, {noise})")
             line += ("; missed: " if failed else "; worst margin ") + ", ".join(parts)
             below = [c for c in g["checks"] if c not in shown and verdict(c.get("paired")) == "below"]
             if below:  # met within noise, but below the baseline in a paired interval
                 line += "; paired below at " + ", ".join(
-                    f"c={c['concurrency']:g} ({c['paired'][0]:.3f}x, 95 % {c['paired'][1]:.3f}-{c['paired'][2]:.3f})"
+                    f"c={c['concurrency']:g} ({c['paired'][0]:.3f}x, 95 % {interval_cell(c['paired'])})"
                     for c in below)
             if g.get("partial"):
                 line += f" ({g['partial']})"

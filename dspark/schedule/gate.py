@@ -238,7 +238,7 @@ class DraftGate:
         if any(chosen) and not self.would_verify(ids, raw, chosen):
             self.vetoed += 1
             chosen = [False] * len(ids)
-        self.promised = self._promises(ids, [[min(1.0, a * ratio) for a in c] for c in raw], chosen)
+        self.promised = self._promises(ids, raw, ratio, chosen) if any(chosen) else {}
         if any(chosen):  # drafting pays for someone at this load: probe at the base rate
             clock.interval = self.probe_every
         elif clock.probed:  # this load's last step probed, and the fresh curves pay for none: back off
@@ -285,17 +285,17 @@ class DraftGate:
         requests whose good round is behind them (see the module docstring)."""
         return (self.chosen_realised + PRIOR_TOKENS) / (self.chosen_promised + PRIOR_TOKENS)
 
-    def _promises(self, ids: list[Hashable], curves: Sequence[Sequence[float]], chosen: Sequence[bool]
-                  ) -> dict[Hashable, tuple[float, int]]:
+    def _promises(self, ids: list[Hashable], curves: Sequence[Sequence[float]], ratio: float,
+                  chosen: Sequence[bool]) -> dict[Hashable, tuple[float, int]]:
         """request id -> (the accepted draft tokens its curve promised, the draft positions that
         promise covers) over the admission prefix `best_drafts` last priced, for the requests still
-        chosen (none after a veto). `curves`: scaled by the acceptance ratio alone, so that
-        `choice_ratio` estimates the bias of choosing itself, not what is left of it."""
+        chosen. The raw `curves` are scaled by the acceptance `ratio` alone, so that `choice_ratio`
+        estimates the bias of choosing itself, not what is left of it."""
         promise: dict[Hashable, tuple[float, int]] = {}
         for request, position in self.priced:
             if chosen[request]:
                 total, positions = promise.get(ids[request], (0.0, 0))
-                promise[ids[request]] = (total + curves[request][position - 1], positions + 1)
+                promise[ids[request]] = (total + min(1.0, curves[request][position - 1] * ratio), positions + 1)
         return promise
 
     def observe_outcomes(self, outcomes: Sequence[ScheduleOutcome]) -> None:
@@ -307,13 +307,12 @@ class DraftGate:
                 total, positions = promise  # accepted within the positions the promise covers
                 self.chosen_realised = self.decay * self.chosen_realised + min(o.num_accepted, positions)
                 self.chosen_promised = self.decay * self.chosen_promised + total
-        self.promised = {}
-        for o in outcomes:
             curve = self.curves.get(o.request_id)
             if curve is None or o.verify_len <= 0:
                 continue
             self.realised = self.decay * self.realised + o.num_accepted
             self.predicted = self.decay * self.predicted + sum(curve[: o.verify_len])
+        self.promised = {}  # a choice is judged on the one round it was made for
 
     def observe_step(self, timing: StepTiming) -> None:
         """After a decode-only step: compare its wall time with the profile's price of it."""
