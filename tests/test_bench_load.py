@@ -460,7 +460,7 @@ def test_paired_differences_set_each_arm_against_the_baseline_of_the_same_repeat
 
 
 def test_paired_pools_the_repeats_of_several_reports_into_one_interval(tmp_path, capsys):
-    from dspark.bench.paired import main, mean_interval, t975, verdict
+    from dspark.bench.paired import main, mean_interval, run_interval, t975, verdict
 
     assert t975(1) == 12.706 and t975(30) == 2.042
     assert t975(31) == pytest.approx(2.0395, abs=1e-3) and t975(120) == pytest.approx(1.9799, abs=1e-3)
@@ -491,8 +491,15 @@ def test_paired_pools_the_repeats_of_several_reports_into_one_interval(tmp_path,
     assert alone[2] > 1.0  # one run alone: level
     mean, low, high = mean_interval([0.97, 0.99, 0.96, 0.99, 0.98, 0.97])
     assert high < 1.0
-    assert f"| a | closed | 4 | 0 | 2 | 6 | {mean:.3f}x | {low:.3f}-{high:.3f} | 6 of 6 | below |" in out
-    assert "| a | closed | 4 | 1 | 1 | 2 | 1.005x |" in out and out.rstrip().endswith("| level |")
+    # over the runs (0.973x and 0.980x, one degree of freedom) the same gap is not resolved
+    runs = run_interval([[0.97, 0.99, 0.96], [0.99, 0.98, 0.97]])
+    assert runs[0] == pytest.approx(mean) and runs[2] > 1.0 and verdict(runs) == "level"
+    assert (f"| a | closed | 4 | 0 | 2 | 6 | {mean:.3f}x | {low:.3f}-{high:.3f} | 6 of 6 | below | {runs[0]:.3f}x "
+            f"| {runs[1]:.3f}-{runs[2]:.3f} | level |") in out
+    assert "| a | closed | 4 | 1 | 1 | 2 | 1.005x |" in out and out.rstrip().endswith("| level | 1.005x | - | - |")
+    # runs that agree closely are below over the runs too, however few their repeats
+    tight = run_interval([[0.957, 0.95], [0.963], [0.967, 0.97, 0.96], [0.963]])
+    assert verdict(tight) == "below" and run_interval([[0.9, 0.95]]) is None and run_interval([[0.9], []]) is None
 
 
 def test_goal_1_sets_each_check_beside_its_paired_interval_without_changing_the_rule():
@@ -530,3 +537,41 @@ def test_step_shape_reads_requests_and_milliseconds_per_decode_step():
     assert batch == pytest.approx(3.64) and ms == pytest.approx(76.0)
     assert step_shape(SimpleNamespace(drafted_steps={"all": 0, "some": 0, "none": 0}, rounds=0, duration_s=1.0)) \
         == (None, None)
+
+
+def test_steady_throughput_leaves_out_the_tail_after_the_first_client_runs_dry(tmp_path, capsys):
+    from dspark.bench.load_report import steady_throughput
+    from dspark.bench.paired import main
+
+    def req(start, ttft, tokens, tpot, status="ok"):
+        return {"status": status, "start_s": start, "ttft_s": ttft, "tpot_s": tpot, "output_tokens": tokens,
+                "end_s": start + ttft + (tokens - 1) * (tpot or 0.0)}
+
+    # two clients: the first sends its second (and the level's last) request when its first ends at 7.3 s;
+    # the second client's request ends at 11 s and it has nothing left to send: the window is [0, 11]
+    a, b = req(0.0, 1.0, 64, 0.1), req(0.5, 1.0, 96, 0.1)
+    c = req(a["end_s"] + 1e-4, 1.0, 64, 0.1)
+    window = b["end_s"]
+    in_c = 1 + (window - (c["start_s"] + 1.0)) / 0.1
+    assert 20 < in_c < 40
+    assert steady_throughput([a, b, c]) == pytest.approx((64 + 96 + in_c) / window)
+    assert steady_throughput([a, b, c]) > 224 / c["end_s"]  # the whole level, tail included, reads lower
+    assert steady_throughput([]) is None
+    assert steady_throughput([a, dict(c, status="cut", end_s=None)]) is None  # no request finished after the last sent
+    assert steady_throughput([req(0.0, 1.0, 1, None)]) == pytest.approx(1 / 1.0)  # one token: no tpot
+
+    points = []
+    for repeat, tail in enumerate([2.0, 3.0, 2.5]):
+        base = [a, b, c]
+        late = [a, b, dict(c, end_s=c["end_s"] + tail)]  # the same steady window, a slower last request
+        points += [{"arm": "nospec", "pattern": "closed", "level": 2, "repeat": repeat, "throughput": 224 / c["end_s"],
+                    "samples": base},
+                   {"arm": "x", "pattern": "closed", "level": 2, "repeat": repeat,
+                    "throughput": 224 / late[2]["end_s"], "samples": late}]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"settings": {}, "points": points}))
+    main([str(path), "--steady"])
+    out = capsys.readouterr().out
+    assert "until their first client ran dry" in out and "| x | closed | 2 | +0.0, +0.0, +0.0 |" in out
+    main([str(path)])
+    assert "| x | closed | 2 | +0.0" not in capsys.readouterr().out

@@ -43,3 +43,11 @@ def test_one_padded_call_computes_what_the_parts_compute(tmp_path):
 def test_bad_options_stop_before_running(argv, message):
     with pytest.raises(SystemExit, match=message):
         mixed.main(argv)
+
+
+def test_context_parts_refuses_bad_arguments():
+    from dspark.bench import context_parts
+
+    for argv in ([], ["4", "300"], ["4", "0", "2"], ["four", "300", "2"], ["4", "300", "2", "2000", "9"]):
+        with pytest.raises(SystemExit, match="usage"):
+            context_parts.main(argv)

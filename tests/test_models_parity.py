@@ -109,11 +109,49 @@ def test_attention_parts_group_requests_by_query_length() -> None:
     assert query_parts([1, 3, 1, 4, 1, 8, 9, 2, 100]) == [[0, 2, 4], [1, 3], [5], [6], [7], [8]]
 
 
+def test_cpu_attention_parts_split_requests_of_unequal_context() -> None:
+    from dspark.models.llama import PART_OVERHEAD_POSITIONS, attention_groups, split_by_context
+
+    # eight decoding requests: four long ones in slots 0-3, four short ones in slots 4-7
+    starts, qlens, slots = [700, 710, 690, 705, 100, 90, 110, 95], [1] * 8, list(range(8))
+    assert split_by_context(list(range(8)), starts, qlens, slots) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # the same contexts interleaved over the slots: each half's span would cover the whole cache
+    # (read as a view, 8 slots) or be gathered (copied), so the short ones pay for a call each
+    # only if that is cheaper; either way no part reads the short ones up to 711 positions
+    mixed = [700, 100, 710, 90, 690, 110, 705, 95]
+    parts = split_by_context(list(range(8)), mixed, qlens, slots)
+    assert sorted(i for part in parts for i in part) == list(range(8))
+    assert not any({0, 1} <= set(part) for part in parts)
+    # close contexts in adjacent slots stay one call; a lone request is its own part
+    assert split_by_context([0, 1, 2], [500, 505, 498], [1, 1, 1], [3, 4, 5]) == [[0, 1, 2]]
+    assert split_by_context([4], starts, qlens, slots) == [[4]]
+    # the cost it minimises: positions read plus an overhead a call, against one padded call
+    one_call = 8 * 711
+    two_calls = 4 * 711 + 4 * 111 + 2 * PART_OVERHEAD_POSITIONS
+    assert two_calls + PART_OVERHEAD_POSITIONS < one_call + PART_OVERHEAD_POSITIONS
+    assert attention_groups(qlens, starts, slots, 3, "cpu") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert attention_groups(qlens, starts, slots, 3, "cuda") == [list(range(8))]
+
+
+def test_parts_split_by_context_equal_one_request_at_a_time(monkeypatch) -> None:
+    """With calls priced at nothing the CPU splits decoding requests of unequal context into parts
+    of their own, whose rows interleave with the verifications' and a prefill chunk's."""
+    from dspark.models import llama
+
+    monkeypatch.setattr(llama, "PART_OVERHEAD_POSITIONS", 0)
+    qlens, prefix_lens = (1, 3, 1, 1, 4, 1, 12), (40, 4, 3, 25, 9, 30, 2)
+    starts = list(prefix_lens)
+    assert len(llama.attention_groups(list(qlens), starts, [5, 3, 4, 7, 8, 6, 9], 3, "cpu")) >= 5
+    _ragged_vs_sequential([5, 3, 4, 7, 8, 6, 9], qlens=qlens, prefix_lens=prefix_lens)
+    _ragged_vs_sequential([38, 0, 21, 9, 17, 30, 2], qlens=qlens, prefix_lens=prefix_lens)
+
+
 def test_a_gpu_attends_in_one_call_while_the_padding_is_small() -> None:
     from dspark.models.llama import ONE_CALL_ELEMENTS, attention_groups
 
     qlens, starts, slots = [1, 8, 1, 3], [100, 90, 120, 50], [0, 1, 2, 3]
-    assert attention_groups(qlens, starts, slots, 3, "cpu") == [[0, 2], [1], [3]]
+    # the CPU splits by query length, then by context: requests 0 and 2 would read slot 1 too
+    assert attention_groups(qlens, starts, slots, 3, "cpu") == [[0], [1], [2], [3]]
     assert attention_groups(qlens, starts, slots, 3, "cuda") == [[0, 1, 2, 3]]
     # a 512-token prefill chunk beside 63 decoding requests at 2k context would pad them all to 512
     qlens, starts, slots = [1] * 63 + [512], [2000] * 63 + [1536], list(range(64))

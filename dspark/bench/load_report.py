@@ -122,6 +122,32 @@ def shared_starts(samples: list[dict], window_s: float = SAME_START_S) -> float 
     return sum(close) / len(starts)
 
 
+def steady_throughput(samples: list[dict]) -> float | None:
+    """Output tokens a second of a closed-loop level until its first client runs dry (the first
+    request to finish after the last one was sent): the level's throughput without its tail, when
+    fewer than `concurrency` requests are left. Tokens of a request inside that window are counted
+    from its first-token time and mean time per output token. An arm whose requests drift apart
+    has a ragged tail where one that keeps them together ends at once; this says whether that,
+    and not its steps, is what it loses (docs/LOAD.md, session 46: it is not). None without
+    finished requests."""
+    done = [s for s in samples if s.get("status") == "ok" and s.get("end_s") is not None
+            and s.get("ttft_s") is not None and s.get("output_tokens")]
+    if not done:
+        return None
+    last_sent = max(s["start_s"] for s in samples)
+    window = min((s["end_s"] for s in done if s["end_s"] > last_sent), default=None)
+    if window is None:  # the last requests sent did not finish (cut at the level's deadline, failed)
+        return None
+    tokens = 0.0
+    for s in done:
+        first = s["start_s"] + s["ttft_s"]
+        if window < first:
+            continue
+        per_token = s.get("tpot_s") or 0.0
+        tokens += s["output_tokens"] if per_token <= 0 else min(s["output_tokens"], 1 + (window - first) / per_token)
+    return tokens / window if window > 0 else None
+
+
 def step_shape(point) -> tuple[float | None, float | None]:
     """(requests decoded per decode step, milliseconds of the level per decode step) of one level:
     arms that decode as many requests a step but take longer a step lose in the steps themselves,

@@ -16,6 +16,17 @@ Given several reports, the repeats of runs that measured the same (pattern, leve
 arm) are pooled into one more table, one interval over all their repeats, so that runs of the
 same code can be read together. Which reports measured the same code is for the caller to say:
 pass only those.
+
+Pooling repeats treats them as independent, and on a shared machine they are not: runs of the
+same code differ by more than their own intervals (docs/LOAD.md, runs BN, BP and BQ at four
+clients: 0.973x, 0.946x and 1.011x), so the repeats of one run share an offset and an interval
+over all repeats is too narrow. The pooled table therefore also gives the interval over the
+runs, each run counted once by its mean ratio (`run_interval`, from two runs on), and its
+verdict: the one to trust when the two disagree.
+
+`--steady` pairs each closed-loop level's throughput until its first client ran dry
+(`load_report.steady_throughput`) instead of the whole level's: the tail, when fewer requests
+than clients are left, is out.
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ import json
 import math
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 # two-sided 95 % quantiles of Student's t, by degrees of freedom 1..30
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
@@ -52,11 +63,15 @@ def mean_interval(values: Sequence[float]) -> tuple[float, float, float] | None:
     return mean, mean - half, mean + half
 
 
-def paired_differences(points: Sequence[dict], baseline: str) -> dict[tuple[str, float, str], list[tuple[float, float]]]:
-    """(pattern, level, arm) -> [(throughput - baseline's, throughput / baseline's) per repeat], for
-    every arm but the baseline, over the repeats in which both measured the level (a baseline
-    point of zero throughput gives no ratio and is skipped)."""
-    by_point = {(p["pattern"], p["level"], p["arm"], p["repeat"]): p["throughput"] for p in points}
+def paired_differences(points: Sequence[dict], baseline: str,
+                       value: Callable[[dict], float | None] = lambda p: p["throughput"],
+                       ) -> dict[tuple[str, float, str], list[tuple[float, float]]]:
+    """(pattern, level, arm) -> [(value - baseline's, value / baseline's) per repeat], for every arm
+    but the baseline, over the repeats in which both measured the level (a baseline point of zero
+    value gives no ratio and is skipped, as is a point whose value is None). The value is a point's
+    throughput unless `value` says otherwise (`steady`: without the closed loop's tail)."""
+    by_point = {(p["pattern"], p["level"], p["arm"], p["repeat"]): value(p) for p in points}
+    by_point = {key: v for key, v in by_point.items() if v is not None}
     out: dict[tuple[str, float, str], list[tuple[float, float]]] = {}
     for (pattern, level, arm, repeat), value in sorted(by_point.items()):
         base = by_point.get((pattern, level, baseline, repeat))
@@ -64,6 +79,13 @@ def paired_differences(points: Sequence[dict], baseline: str) -> dict[tuple[str,
             continue
         out.setdefault((pattern, level, arm), []).append((value - base, value / base))
     return out
+
+
+def run_interval(runs: Sequence[Sequence[float]]) -> tuple[float, float, float] | None:
+    """(mean, low, high) over runs: the 95 % Student-t interval of the mean of each run's mean
+    ratio (runs without a ratio are left out); None for fewer than two runs. The honest interval
+    when runs differ by more than their repeats do."""
+    return mean_interval([statistics.mean(run) for run in runs if run])
 
 
 def verdict(interval: tuple[float, float, float] | None) -> str:
@@ -80,7 +102,15 @@ def interval_cell(interval: tuple[float, float, float] | None) -> str:
     return "-" if interval is None else f"{interval[1]:.3f}-{interval[2]:.3f}"
 
 
-def _read(path: str, baseline: str) -> tuple[dict, dict]:
+def steady(point: dict) -> float | None:
+    """A closed-loop point's throughput until its first client ran dry (`steady_throughput`); None
+    for other patterns."""
+    from dspark.bench.load_report import steady_throughput
+
+    return steady_throughput(point.get("samples") or []) if point["pattern"] == "closed" else None
+
+
+def _read(path: str, baseline: str, value=lambda p: p["throughput"]) -> tuple[dict, dict]:
     """(the report's pairs, its settings), refusing a report without the baseline arm."""
     with open(path) as f:
         report = json.load(f)
@@ -88,23 +118,27 @@ def _read(path: str, baseline: str) -> tuple[dict, dict]:
     if not any(p["arm"] == baseline for p in points):
         arms = sorted({p["arm"] for p in points})
         raise SystemExit(f"no points of the baseline arm {baseline!r} in {path}; its arms: {arms}")
-    pairs = paired_differences(points, baseline)
+    pairs = paired_differences(points, baseline, value)
     if not pairs:
         raise SystemExit(f"no arm shares a (repeat, level) with {baseline!r} in {path}")
     return pairs, report.get("settings") or {}
 
 
 def main(argv: list[str]) -> None:
+    window = "--steady" in argv
+    argv = [a for a in argv if a != "--steady"]
     paths = [a for a in argv if a.endswith(".json")]
     others = [a for a in argv if not a.endswith(".json")]
     if not paths or len(others) > 1:
         raise SystemExit("usage: python -m dspark.bench.paired REPORT.json [REPORT.json ...] "
-                         "[BASELINE_ARM (default nospec)]")
+                         "[BASELINE_ARM (default nospec)] [--steady]")
     baseline = others[0] if others else "nospec"
+    if window:
+        print("Closed-loop levels until their first client ran dry (the tail left out):\n")
     pooled: dict[tuple[str, float, float, str], list[tuple[float, float]]] = {}
-    runs: dict[tuple[str, float, float, str], int] = {}
+    runs: dict[tuple[str, float, float, str], list[list[float]]] = {}  # each run's ratios
     for path in paths:
-        pairs, settings = _read(path, baseline)
+        pairs, settings = _read(path, baseline, steady if window else (lambda p: p["throughput"]))
         think = float(settings.get("think_s") or 0.0)
         if len(paths) > 1:
             print(f"{path}{f' (think {think:g} s)' if think else ''}:\n")
@@ -120,20 +154,24 @@ def main(argv: list[str]) -> None:
                   f"| {below} of {len(rows)} |")
             key = (pattern, level, think, arm)
             pooled.setdefault(key, []).extend(rows)
-            runs[key] = runs.get(key, 0) + 1
+            runs.setdefault(key, []).append([r for _, r in rows])
         print()
     if len(paths) < 2:
         return
     print(f"Pooled over the {len(paths)} reports (repeats of the same pattern, load, think time and arm):\n")
     print(f"| arm | pattern | load | think s | runs | repeats | mean ratio to {baseline} | 95 % interval "
-          f"| below in | verdict |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"over repeats | below in | verdict | mean of run means | 95 % interval over runs | verdict over runs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (pattern, level, think, arm), rows in sorted(pooled.items()):
         ratios = [r for _, r in rows]
         interval = mean_interval(ratios)
-        print(f"| {arm} | {pattern} | {level:g} | {think:g} | {runs[(pattern, level, think, arm)]} | {len(rows)} "
+        per_run = runs[(pattern, level, think, arm)]
+        over_runs = run_interval(per_run)
+        run_mean = statistics.mean(statistics.mean(run) for run in per_run)
+        print(f"| {arm} | {pattern} | {level:g} | {think:g} | {len(per_run)} | {len(rows)} "
               f"| {statistics.mean(ratios):.3f}x | {interval_cell(interval)} | {sum(d < 0 for d, _ in rows)} of "
-              f"{len(rows)} | {verdict(interval)} |")
+              f"{len(rows)} | {verdict(interval)} | {run_mean:.3f}x | {interval_cell(over_runs)} "
+              f"| {verdict(over_runs)} |")
 
 
 if __name__ == "__main__":
