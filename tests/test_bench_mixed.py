@@ -51,3 +51,16 @@ def test_context_parts_refuses_bad_arguments():
     for argv in ([], ["4", "300"], ["4", "0", "2"], ["four", "300", "2"], ["4", "300", "2", "2000", "9"]):
         with pytest.raises(SystemExit, match="usage"):
             context_parts.main(argv)
+
+
+def test_engine_ab_refuses_bad_arguments():
+    from dspark.bench import engine_ab
+
+    good = ["nospec=none:none", "dspark=default:dspark"]
+    for argv in ([], ["4", "2", "32", good[0]], ["4", "0", "32", *good], ["4", "2", "32", "nospec", good[1]],
+                 ["4", "2", "32", "nospec=none", good[1]], ["4", "2", "32", *good, "--prompt-chars"],
+                 ["4", "2", "32", *good, "--prompt-chars", "0"]):
+        with pytest.raises(SystemExit, match="usage|prompt-chars"):
+            engine_ab.main(argv)
+    with pytest.raises(SystemExit, match="must differ"):
+        engine_ab.main(["4", "2", "32", good[0], good[0]])

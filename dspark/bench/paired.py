@@ -63,8 +63,12 @@ def mean_interval(values: Sequence[float]) -> tuple[float, float, float] | None:
     return mean, mean - half, mean + half
 
 
-def paired_differences(points: Sequence[dict], baseline: str,
-                       value: Callable[[dict], float | None] = lambda p: p["throughput"],
+def throughput(point: dict) -> float:
+    """A point's throughput over its whole level (the default value paired)."""
+    return point["throughput"]
+
+
+def paired_differences(points: Sequence[dict], baseline: str, value: Callable[[dict], float | None] = throughput,
                        ) -> dict[tuple[str, float, str], list[tuple[float, float]]]:
     """(pattern, level, arm) -> [(value - baseline's, value / baseline's) per repeat], for every arm
     but the baseline, over the repeats in which both measured the level (a baseline point of zero
@@ -110,7 +114,7 @@ def steady(point: dict) -> float | None:
     return steady_throughput(point.get("samples") or []) if point["pattern"] == "closed" else None
 
 
-def _read(path: str, baseline: str, value=lambda p: p["throughput"]) -> tuple[dict, dict]:
+def _read(path: str, baseline: str, value: Callable[[dict], float | None] = throughput) -> tuple[dict, dict]:
     """(the report's pairs, its settings), refusing a report without the baseline arm."""
     with open(path) as f:
         report = json.load(f)
@@ -138,7 +142,7 @@ def main(argv: list[str]) -> None:
     pooled: dict[tuple[str, float, float, str], list[tuple[float, float]]] = {}
     runs: dict[tuple[str, float, float, str], list[list[float]]] = {}  # each run's ratios
     for path in paths:
-        pairs, settings = _read(path, baseline, steady if window else (lambda p: p["throughput"]))
+        pairs, settings = _read(path, baseline, steady if window else throughput)
         think = float(settings.get("think_s") or 0.0)
         if len(paths) > 1:
             print(f"{path}{f' (think {think:g} s)' if think else ''}:\n")

@@ -387,30 +387,27 @@ def split_by_context(members: list[int], starts: list[int], qlens: list[int], sl
     """`members` (requests of one query-length group) split into parts of similar context length.
     A part reads every slot of its span up to its longest request's context, so one part of
     requests at 150 and 700 cached tokens reads 1400 positions for 850 used: decoding four
-    requests of the evaluation prompts read 1.75-1.94x the positions they attend to
+    requests of the evaluation prompts read 1.76-1.96x the positions they attend to
     (docs/LOAD.md, session 46). Requests sorted by context are cut into runs minimising the
-    positions read plus `overhead` a part (default `PART_OVERHEAD_POSITIONS`; dynamic programming
-    over the sorted order); a part
-    whose slots are not a compact range is gathered, i.e. copied, and counted three times."""
+    positions read plus `overhead` a part (default `PART_OVERHEAD_POSITIONS`), by dynamic
+    programming over the sorted order in O(n^2); a part whose slots are not a compact range is
+    gathered, i.e. copied (`_make_part`), and counted three times."""
     if len(members) < 2:
         return [members]
     overhead = PART_OVERHEAD_POSITIONS if overhead is None else overhead
     order = sorted(members, key=lambda i: (starts[i] + qlens[i], i))
-    context = [starts[i] + qlens[i] for i in order]
-
-    def read(a: int, b: int) -> int:  # positions the part order[a:b] reads
-        part_slots = [slots[i] for i in order[a:b]]
-        span = max(part_slots) - min(part_slots) + 1
-        width = span if span <= 2 * len(part_slots) else 3 * len(part_slots)
-        return width * context[b - 1]
-
     n = len(order)
-    best = [0] + [None] * n  # best[b]: least cost of order[:b]
+    best = [0] + [0] * n  # best[b]: least cost of order[:b]
     cut = [0] * (n + 1)
     for b in range(1, n + 1):
-        for a in range(b):
-            cost = best[a] + overhead + read(a, b)
-            if best[b] is None or cost < best[b]:
+        longest = starts[order[b - 1]] + qlens[order[b - 1]]
+        lo = hi = slots[order[b - 1]]
+        best[b] = -1
+        for a in range(b - 1, -1, -1):  # the part order[a:b], widened one request at a time
+            lo, hi = min(lo, slots[order[a]]), max(hi, slots[order[a]])
+            span, count = hi - lo + 1, b - a
+            cost = best[a] + overhead + (span if span <= 2 * count else 3 * count) * longest
+            if best[b] < 0 or cost < best[b]:
                 best[b], cut[b] = cost, a
     parts, b = [], n
     while b > 0:

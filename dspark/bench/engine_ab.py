@@ -1,0 +1,137 @@
+"""Arms against each other on the bare engine: the same requests, no clients, no threads.
+
+`dspark bench serve` measures an arm through an `AsyncEngine` thread and asyncio clients in the
+same process; a step trace (`dspark.bench.steps`) runs one engine for a fixed number of steps.
+This runs each arm's synchronous `Engine` over the same fixed work, REQUESTS requests from the
+evaluation prompts at CONCURRENCY (every finished request replaced at once, greedy, 64 new tokens,
+one torch thread), the arms in a seeded shuffled order in every round, a fresh engine each time,
+after one unmeasured round. Per round and arm it prints the tokens, seconds, decode steps,
+milliseconds a step, the time spent in steps with a prompt chunk and in decode-only steps, the
+steps that drafted, and how many requests finished in the same step as another (the lockstep
+of docs/LOAD.md run BG); then each arm's ratio of throughput to the first arm's, round by
+round, with its 95 % Student-t interval (`dspark.bench.paired.mean_interval`):
+
+    .venv/bin/python -m dspark.bench.engine_ab CONCURRENCY ROUNDS REQUESTS NAME=DRAFTER:POLICY ... [--prompt-chars N]
+
+e.g. `4 4 32 nospec=none:none dspark=default:dspark dspark-async=default:dspark-async`. The same
+greedy requests give every arm the same tokens, so the ratio is one of time alone.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+
+
+def main(argv: list[str]) -> None:
+    """CONCURRENCY ROUNDS REQUESTS NAME=DRAFTER:POLICY ... [--prompt-chars N] (no argparse outside cli.py)."""
+    chars = 2000
+    if "--prompt-chars" in argv:
+        at = argv.index("--prompt-chars")
+        value = argv[at + 1] if at + 1 < len(argv) else ""
+        if not value.isdigit() or int(value) < 1:
+            raise SystemExit("--prompt-chars takes the longest prompt to replay in characters, an integer > 0")
+        chars, argv = int(value), argv[:at] + argv[at + 2:]
+    numbers, specs = argv[:3], argv[3:]
+    arms = [spec.partition("=") for spec in specs]
+    if (len(numbers) != 3 or not all(a.isdigit() and int(a) > 0 for a in numbers) or len(arms) < 2
+            or any(not name or sep != "=" or value.count(":") != 1 for name, sep, value in arms)):
+        raise SystemExit("usage: python -m dspark.bench.engine_ab CONCURRENCY ROUNDS REQUESTS NAME=DRAFTER:POLICY "
+                         "NAME=DRAFTER:POLICY ... [--prompt-chars N] (integers > 0, two arms or more; e.g. 4 4 32 "
+                         "nospec=none:none dspark=default:dspark)")
+    if len({name for name, _, _ in arms}) != len(arms):
+        raise SystemExit(f"arm names must differ: {[name for name, _, _ in arms]}")
+    concurrency, rounds, requests = (int(a) for a in numbers)
+    import torch
+
+    from dspark.bench.arms import Arm
+    from dspark.bench.clients import ChatEncoder, SamplingSpec
+    from dspark.bench.load import InProcessBackend, load_prompts
+    from dspark.bench.paired import interval_cell, mean_interval
+    from dspark.engine.engine import Engine
+    from dspark.models import load_target
+    from dspark.schedule import make_policy
+    from dspark.types import SamplingParams
+
+    torch.set_num_threads(1)  # as the load benchmark
+    loaded = load_target(None)
+    prompts = load_prompts("all", max_chars=chars)
+    backend = InProcessBackend(loaded, prompts, SamplingSpec(max_new_tokens=64), concurrency, embedded=True)
+    parts = {}
+    for name, _, value in arms:
+        drafter, policy = value.split(":")
+        parts[name] = (policy, *backend._arm_parts(Arm(name, drafter, policy)))
+    encoder = ChatEncoder(loaded.tokenizer)
+    ids = [encoder(p) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_new_tokens=64)
+
+    def run(name: str, offset: int) -> dict:
+        policy, drafter, cost = parts[name]
+        options = {"k": drafter.block_size} if policy == "fixed" else {}
+        engine = Engine(loaded.model, drafter, make_policy(policy, cost, **options), backend.engine_config,
+                        tokenizer=loaded.tokenizer)
+        plan_steps, prefilled = engine.batcher.plan, [False]
+
+        def plan(*args, **kwargs):
+            out = plan_steps(*args, **kwargs)
+            prefilled[0] = bool(out.prefill)
+            return out
+
+        engine.batcher.plan = plan
+        sent = 0
+
+        def add() -> None:
+            nonlocal sent
+            engine.add_request(list(ids[(offset + sent) % len(ids)]), params)
+            sent += 1
+
+        for _ in range(min(concurrency, requests)):
+            add()
+        row = {"tokens": 0, "seconds": 0.0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "together": 0}
+        while engine.has_work():
+            start = time.perf_counter()
+            outputs = engine.step()
+            seconds = time.perf_counter() - start
+            row["seconds"] += seconds
+            row["prefill_s" if prefilled[0] else "decode_s"] += seconds
+            row["steps"] += 1
+            row["tokens"] += sum(len(o.new_token_ids) for o in outputs)
+            finished = [o for o in outputs if o.finished]
+            row["together"] += len(finished) if len(finished) > 1 else 0
+            for out in finished:
+                engine.pop_finished(out.request_id)
+                if sent < requests:
+                    add()
+        row["drafted"] = engine.num_full_drafts + engine.num_partial_drafts
+        return row
+
+    for name, _, _ in arms:  # one unmeasured round: every arm's first run pays for warming up
+        run(name, len(ids) // 2)
+    names = [name for name, _, _ in arms]
+    results: dict[str, list[dict]] = {name: [] for name in names}
+    rng = random.Random(0)
+    for r in range(rounds):
+        order = names[:]
+        rng.shuffle(order)
+        for name in order:
+            row = run(name, r * requests)
+            results[name].append(row)
+            print(f"round {r} {name}: {row['tokens']} tokens in {row['seconds']:.1f} s, "
+                  f"{row['tokens'] / row['seconds']:.2f} tok/s, {row['steps']} steps "
+                  f"({1e3 * row['seconds'] / row['steps']:.1f} ms), prompt-chunk steps {row['prefill_s']:.1f} s, "
+                  f"decode-only steps {row['decode_s']:.1f} s, {row['drafted']} drafted, "
+                  f"{row['together']}/{requests} finished together", flush=True)
+    base = names[0]
+    for name in names[1:]:
+        ratios = [(a["tokens"] / a["seconds"]) / (b["tokens"] / b["seconds"])
+                  for a, b in zip(results[name], results[base])]
+        decode = [a["decode_s"] / b["decode_s"] for a, b in zip(results[name], results[base]) if b["decode_s"]]
+        print(f"{name} / {base}: throughput {', '.join(f'{x:.3f}' for x in ratios)}, mean "
+              f"{statistics.fmean(ratios):.3f}x ({interval_cell(mean_interval(ratios))}); decode-only steps' time "
+              f"{statistics.fmean(decode):.3f}x" if decode else "")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
