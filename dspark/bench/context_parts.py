@@ -28,18 +28,11 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m dspark.bench.context_parts CONCURRENCY STEPS ROUNDS [PROMPT_CHARS] "
                          "(integers > 0; e.g. 4 300 4)")
     concurrency, steps, rounds = int(argv[0]), int(argv[1]), int(argv[2])
-    import torch
-
     from dspark.bench.arms import Arm
-    from dspark.bench.clients import ChatEncoder, SamplingSpec
-    from dspark.bench.load import InProcessBackend, load_prompts
-    from dspark.bench.steps import trace_steps
-    from dspark.engine.engine import Engine
-    from dspark.models import llama, load_target
+    from dspark.bench.steps import EmbeddedBench, trace_steps
+    from dspark.models import llama
     from dspark.schedule import make_policy
-    from dspark.types import SamplingParams
 
-    torch.set_num_threads(1)
     split = llama.attention_groups
     make_part = llama._make_part
 
@@ -56,13 +49,8 @@ def main(argv: list[str]) -> None:
             read["attended"] += sum(s + q for s, q in zip(starts, qlens))
         return part
 
-    loaded = load_target(None)
-    prompts = load_prompts("all", max_chars=int(argv[3]) if len(argv) > 3 else 2000)
-    backend = InProcessBackend(loaded, prompts, SamplingSpec(max_new_tokens=64), concurrency, embedded=True)
-    drafter, cost = backend._arm_parts(Arm("nospec", "none", "none"))
-    encoder = ChatEncoder(loaded.tokenizer)
-    ids = [encoder(p) for p in prompts]
-    params = SamplingParams(temperature=0.0, max_new_tokens=64)
+    bench = EmbeddedBench.open(concurrency, int(argv[3]) if len(argv) > 3 else 2000)
+    drafter, cost = bench.backend._arm_parts(Arm("nospec", "none", "none"))
     results: dict[str, list[tuple[float, float, float]]] = {"query length": [], "query length and context": []}
     llama._make_part = counted
     try:
@@ -70,9 +58,8 @@ def main(argv: list[str]) -> None:
             for name in (list(results) if r % 2 == 0 else list(results)[::-1]):
                 llama.attention_groups = by_query if name == "query length" else split
                 read.update(positions=0, attended=0)
-                engine = Engine(loaded.model, drafter, make_policy("none", cost), backend.engine_config,
-                                tokenizer=loaded.tokenizer)
-                records = trace_steps(engine, ids[r * 40:], params, concurrency, steps, progress=False)
+                records = trace_steps(bench.engine(drafter, make_policy("none", cost)), bench.prompt_ids[r * 40:],
+                                      bench.params, concurrency, steps, progress=False)
                 decode = [x for x in records if x.prefill == 0]
                 seconds, tokens = sum(x.seconds for x in records), sum(x.tokens for x in records)
                 forward = statistics.fmean(x.forward for x in decode) if decode else float("nan")

@@ -44,34 +44,22 @@ def main(argv: list[str]) -> None:
     if len({name for name, _, _ in arms}) != len(arms):
         raise SystemExit(f"arm names must differ: {[name for name, _, _ in arms]}")
     concurrency, rounds, requests = (int(a) for a in numbers)
-    import torch
-
     from dspark.bench.arms import Arm
-    from dspark.bench.clients import ChatEncoder, SamplingSpec
-    from dspark.bench.load import InProcessBackend, load_prompts
     from dspark.bench.paired import interval_cell, mean_interval
-    from dspark.engine.engine import Engine
-    from dspark.models import load_target
+    from dspark.bench.steps import EmbeddedBench
     from dspark.schedule import make_policy
-    from dspark.types import SamplingParams
 
-    torch.set_num_threads(1)  # as the load benchmark
-    loaded = load_target(None)
-    prompts = load_prompts("all", max_chars=chars)
-    backend = InProcessBackend(loaded, prompts, SamplingSpec(max_new_tokens=64), concurrency, embedded=True)
+    bench = EmbeddedBench.open(concurrency, chars)
+    ids, params = bench.prompt_ids, bench.params
     parts = {}
     for name, _, value in arms:
         drafter, policy = value.split(":")
-        parts[name] = (policy, *backend._arm_parts(Arm(name, drafter, policy)))
-    encoder = ChatEncoder(loaded.tokenizer)
-    ids = [encoder(p) for p in prompts]
-    params = SamplingParams(temperature=0.0, max_new_tokens=64)
+        parts[name] = (policy, *bench.backend._arm_parts(Arm(name, drafter, policy)))
 
     def run(name: str, offset: int) -> dict:
         policy, drafter, cost = parts[name]
         options = {"k": drafter.block_size} if policy == "fixed" else {}
-        engine = Engine(loaded.model, drafter, make_policy(policy, cost, **options), backend.engine_config,
-                        tokenizer=loaded.tokenizer)
+        engine = bench.engine(drafter, make_policy(policy, cost, **options))
         plan_steps, prefilled = engine.batcher.plan, [False]
 
         def plan(*args, **kwargs):

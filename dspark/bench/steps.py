@@ -298,6 +298,39 @@ def summarise(records: Sequence[StepRecord], cost=None, vetoes: int | None = Non
     return "\n".join(lines)
 
 
+@dataclass
+class EmbeddedBench:
+    """The embedded target set up as the load benchmark runs it, for the engine-level tools
+    (this module, `engine_ab`, `context_parts`): one torch thread, the evaluation prompts encoded
+    with the chat template, greedy requests of 64 new tokens."""
+
+    loaded: object  # dspark.models.LoadedTarget
+    backend: object  # dspark.bench.load.InProcessBackend: the arms' drafters, profiles and engine config
+    prompt_ids: list[list[int]]
+    params: object  # dspark.types.SamplingParams
+
+    @classmethod
+    def open(cls, concurrency: int, prompt_chars: int, device: str = "cpu") -> "EmbeddedBench":
+        import torch
+
+        from dspark.bench.clients import ChatEncoder, SamplingSpec
+        from dspark.bench.load import InProcessBackend, load_prompts
+        from dspark.models import load_target
+        from dspark.types import SamplingParams
+
+        torch.set_num_threads(1)  # as the load benchmark (dspark.bench.load_docs)
+        loaded = load_target(None, device=device)
+        prompts = load_prompts("all", max_chars=prompt_chars)
+        backend = InProcessBackend(loaded, prompts, SamplingSpec(max_new_tokens=64), concurrency, embedded=True)
+        encoder = ChatEncoder(loaded.tokenizer)
+        return cls(loaded, backend, [encoder(p) for p in prompts], SamplingParams(temperature=0.0, max_new_tokens=64))
+
+    def engine(self, drafter, policy):
+        from dspark.engine.engine import Engine
+
+        return Engine(self.loaded.model, drafter, policy, self.backend.engine_config, tokenizer=self.loaded.tokenizer)
+
+
 def main(argv: list[str]) -> None:
     """DRAFTER POLICY[:OPTION=VALUE...] CONCURRENCY STEPS [PROBE_EVERY [PROMPT_CHARS]] [--device D] (no argparse
     outside cli.py)."""
@@ -322,33 +355,21 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m dspark.bench.steps DRAFTER POLICY CONCURRENCY STEPS [PROBE_EVERY "
                          "[PROMPT_CHARS]] [--device D] [--think-steps N] (integers > 0, PROBE_EVERY >= 0; e.g. "
                          "dspark/assets/drafters/smollm2-135m-dspark dspark 16 300)")
-    import torch
-
     from dspark.bench.arms import Arm
-    from dspark.bench.clients import ChatEncoder, SamplingSpec
-    from dspark.bench.load import InProcessBackend, load_prompts
-    from dspark.engine.engine import Engine
-    from dspark.models import load_target
     from dspark.schedule import make_policy
-    from dspark.types import SamplingParams
 
     drafter_spec, policy_spec, concurrency, steps = argv[0], argv[1], int(argv[2]), int(argv[3])
-    torch.set_num_threads(1)  # as the load benchmark (dspark.bench.load_docs)
-    loaded = load_target(None, device=device)
+    bench = EmbeddedBench.open(concurrency, int(argv[5]) if len(argv) > 5 else 300, device)
     probe_every = int(argv[4]) if len(argv) > 4 else 0
-    prompts = load_prompts("all", max_chars=int(argv[5]) if len(argv) > 5 else 300)
-    backend = InProcessBackend(loaded, prompts, SamplingSpec(max_new_tokens=64), concurrency, embedded=True)
     policy_name, *extra = policy_spec.split(":")  # e.g. dspark:choices=on (the policy's on/off options)
-    drafter, cost = backend._arm_parts(Arm("traced", drafter_spec, policy_name))
+    drafter, cost = bench.backend._arm_parts(Arm("traced", drafter_spec, policy_name))
     options = {"k": drafter.block_size} if policy_name == "fixed" else {}
     options.update(option.partition("=")[::2] for option in extra)
     policy = make_policy(policy_name, cost, **options)
     if probe_every:
         policy = EveryKthQuarter(policy, probe_every)
-    engine = Engine(loaded.model, drafter, policy, backend.engine_config, tokenizer=loaded.tokenizer)
-    encoder = ChatEncoder(loaded.tokenizer)
-    records = trace_steps(engine, [encoder(p) for p in prompts], SamplingParams(temperature=0.0, max_new_tokens=64),
-                          concurrency, steps, think_steps=think_steps)
+    records = trace_steps(bench.engine(drafter, policy), bench.prompt_ids, bench.params, concurrency, steps,
+                          think_steps=think_steps)
     forced = f", a quarter drafted every {probe_every} steps" if probe_every else ""
     forced += f", successors waiting {think_steps:g} steps on average" if think_steps else ""
     print(f"{drafter_spec} / {policy_spec}, {concurrency} requests{forced}")
