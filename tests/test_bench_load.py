@@ -78,6 +78,17 @@ def test_six_paper_arms_in_process_closed_and_poisson(tmp_path):
     assert all(sum(s.values()) > 0 for s in steps.values())
     row = next(r for r in data["summary"] if r["arm"] == "nospec" and r["level"] == 2)
     assert row["drafted_steps"] == steps["nospec"]
+    # where the engine's time went: by step kind, within the level's wall time, the same decode steps
+    for p in report.points:
+        kinds = p.step_kinds
+        busy = sum(k["seconds"] for k in kinds.values())
+        assert 0 < busy and 0 <= p.idle_s and busy + p.idle_s <= p.duration_s + 0.5  # idle counts the settle wait
+        assert kinds["plain"]["steps"] + kinds["drafted"]["steps"] <= sum(p.drafted_steps.values())
+        assert kinds["prefill"]["positions"] >= kinds["prefill"]["steps"] > 0
+    kinds = {p.arm: p.step_kinds for p in report.points if p.level == 2}
+    assert kinds["nospec"]["drafted"]["steps"] == 0 < kinds["nospec"]["plain"]["steps"]
+    assert kinds["dspark-k7"]["plain"]["steps"] == 0 < kinds["dspark-k7"]["drafted"]["steps"]
+    assert "| nospec | c=2 | " in report.markdown().split("Where the engine's time went")[1]
     for key in ("throughput_vs_tps", "vs_concurrency", "poisson"):
         assert open(data["files"][key], "rb").read(4) == PNG
     assert {g["arm"] for g in data["goals"]} == {"dspark", "dspark-async"}

@@ -71,7 +71,8 @@ EXPECTED = [
     "dspark_spec_mean_verify_length", "dspark_spec_position_reached_total", "dspark_spec_position_accepted_total",
     "dspark_spec_position_acceptance_rate", "dspark_spec_predicted_accepted_total",
     "dspark_spec_calibrated_accepted_total", "dspark_spec_calibrated_rounds_total", "dspark_spec_calibration_error",
-    "dspark_decode_steps_total",
+    "dspark_decode_steps_total", "dspark_engine_steps_total", "dspark_engine_step_seconds_total",
+    "dspark_engine_step_positions_total", "dspark_engine_idle_seconds_total",
 ]
 
 
@@ -119,6 +120,17 @@ def test_metrics_parse_and_match_the_requests():
     for hist in ("dspark_step_seconds", "dspark_time_to_first_token_seconds", "dspark_request_latency_seconds"):
         _check_histogram(fams, hist)
     assert _value(fams, "dspark_step_seconds", suffix="_count") >= rounds / 4  # 4 slots: at most 4 rounds per step
+    # where the time went, by step kind: one request at a time, so every decode step drafted and
+    # held no prompt chunk; the prompt chunks forwarded every prompt token, the decode steps one
+    # position per round plus the verified draft tokens
+    kinds = {k: [_value(fams, f"dspark_engine_{what}_total", f'{{kind="{k}"}}')
+                 for what in ("steps", "step_seconds", "step_positions")] for k in ("prefill", "plain", "drafted")}
+    assert kinds["drafted"][0] == rounds and kinds["plain"] == [0, 0, 0]
+    assert kinds["drafted"][2] == rounds + verified
+    assert len(prompts) <= kinds["prefill"][0] and kinds["prefill"][2] == _value(fams, "dspark_prompt_tokens_total")
+    assert sum(k[0] for k in kinds.values()) == _value(fams, "dspark_step_seconds", suffix="_count")
+    assert sum(k[1] for k in kinds.values()) == pytest.approx(_value(fams, "dspark_step_seconds", suffix="_sum"))
+    assert _value(fams, "dspark_engine_idle_seconds_total") > 0  # it waited between the requests
 
 
 def test_histogram_and_value_format():

@@ -14,7 +14,7 @@ import asyncio
 import ipaddress
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from dspark.errors import UserError
@@ -101,6 +101,10 @@ _COUNTERS = {
 }
 _DRAFTED_STEPS = "dspark_decode_steps_total"  # labelled drafted="all" | "some" | "none"
 DRAFTED_KINDS = ("all", "some", "none")
+# labelled kind="prefill" | "plain" | "drafted" (dspark.engine.metrics.STEP_KINDS); optional (older servers)
+_STEP_KIND_FAMILIES = {"steps": "dspark_engine_steps_total", "seconds": "dspark_engine_step_seconds_total",
+                       "positions": "dspark_engine_step_positions_total"}
+_IDLE = "dspark_engine_idle_seconds_total"
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,10 @@ class ServerCounters:
     queue_depth: int
     failed: int
     drafted_steps: tuple[int, int, int]  # decode steps that drafted all, some, none of their requests
+    # {kind: {"steps", "seconds", "positions"}} per step kind, and the loop's idle seconds (where the
+    # engine's time went); empty / None from a server without those families
+    step_kinds: dict = field(default_factory=dict)
+    idle_seconds: float | None = None
 
     @classmethod
     def parse(cls, text: str) -> "ServerCounters":
@@ -124,23 +132,31 @@ class ServerCounters:
         family by its label, from Prometheus text."""
         values: dict[str, float] = {}
         drafted: dict[str, int] = {}
+        kinds: dict[str, dict[str, float]] = {}
         for line in text.splitlines():
             if line.startswith("#") or " " not in line:
                 continue
             name, _, value = line.rpartition(" ")
-            if "{" not in name:
+            family, _, labels = name.partition("{")
+            if not labels:
                 values[name] = float(value)
-            elif name.startswith(_DRAFTED_STEPS + "{"):
+            elif family == _DRAFTED_STEPS:
                 for kind in DRAFTED_KINDS:
-                    if f'drafted="{kind}"' in name:
+                    if f'drafted="{kind}"' in labels:
                         drafted[kind] = int(float(value))
+            else:
+                for what, metric in _STEP_KIND_FAMILIES.items():
+                    if family == metric and labels.startswith('kind="'):
+                        kinds.setdefault(labels[6:].split('"', 1)[0], {})[what] = float(value)
         missing = [m for m in _COUNTERS.values() if m not in values]
         missing += [f'{_DRAFTED_STEPS}{{drafted="{k}"}}' for k in DRAFTED_KINDS if k not in drafted]
         if missing:
             raise UserError(f"the server's /metrics lacks {', '.join(missing)}; is it a dspark server of this "
                             "version? Upgrade the server to the load generator's version")
-        return cls(**{field: int(values[metric]) for field, metric in _COUNTERS.items()},
-                   drafted_steps=tuple(drafted[k] for k in DRAFTED_KINDS))
+        return cls(**{name: int(values[metric]) for name, metric in _COUNTERS.items()},
+                   drafted_steps=tuple(drafted[k] for k in DRAFTED_KINDS),
+                   step_kinds={k: v for k, v in kinds.items() if len(v) == len(_STEP_KIND_FAMILIES)},
+                   idle_seconds=values.get(_IDLE))
 
     @property
     def idle(self) -> bool:

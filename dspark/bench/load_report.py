@@ -158,6 +158,22 @@ def step_shape(point) -> tuple[float | None, float | None]:
     return point.rounds / steps, 1e3 * point.duration_s / steps
 
 
+def step_time(points: list) -> dict | None:
+    """Where the engine's time went over some levels (repeats of one arm and load): per step kind
+    (prefill, plain, drafted) the steps, seconds and target positions summed, the loop's idle
+    seconds, and the levels' wall seconds (what is left of them is the loop between steps: handing
+    tokens out, taking requests in). None when a point lacks the per-kind counters (older runs)."""
+    if not points or any(not p.step_kinds or p.idle_s is None for p in points):
+        return None
+    kinds: dict[str, dict[str, float]] = {}
+    for p in points:
+        for kind, totals in p.step_kinds.items():
+            into = kinds.setdefault(kind, {"steps": 0.0, "seconds": 0.0, "positions": 0.0})
+            for what, value in totals.items():
+                into[what] += value
+    return {"kinds": kinds, "idle_s": sum(p.idle_s for p in points), "wall_s": sum(p.duration_s for p in points)}
+
+
 def aggregate(points: list) -> list[dict]:
     """Means (and the throughput's standard deviation) over repeats, per (arm, pattern, level)."""
     groups: dict[tuple, list] = defaultdict(list)
@@ -179,6 +195,7 @@ def aggregate(points: list) -> list[dict]:
             "cut": sum(p.cut for p in ps),
             "drafted_steps": {k: sum(p.drafted_steps.get(k, 0) for p in ps) for k in DRAFTED_KINDS},
             "step_batch": _mean([step_shape(p)[0] for p in ps]), "step_ms": _mean([step_shape(p)[1] for p in ps]),
+            "step_time": step_time(ps),
         })
     return rows
 

@@ -175,6 +175,10 @@ class LevelPoint:
     acceptance_length: float | None  # tau: committed tokens per round
     achieved_rate: float  # finished requests/s
     drafted_steps: dict[str, int] = field(default_factory=dict)  # decode steps that drafted all/some/none requests
+    # where the engine's time went: {kind: {"steps", "seconds", "positions"}} per step kind (prefill,
+    # plain, drafted) and the seconds its loop waited idle; empty / None from an older server
+    step_kinds: dict[str, dict[str, float]] = field(default_factory=dict)
+    idle_s: float | None = None
     errors: list[str] = field(default_factory=list)  # the first few distinct errors
     samples: list[dict] = field(default_factory=list)
 
@@ -201,5 +205,8 @@ def summarize(arm: str, pattern: str, level: float, repeat: int, samples: list[R
         acceptance_length=committed / rounds if rounds else None,
         achieved_rate=len(ok) / elapsed if elapsed > 0 else 0.0, errors=errors,
         drafted_steps={k: b - a for k, a, b in zip(DRAFTED_KINDS, before.drafted_steps, after.drafted_steps)},
+        step_kinds={kind: {what: totals[what] - before.step_kinds[kind][what] for what in totals}
+                    for kind, totals in after.step_kinds.items() if kind in before.step_kinds},
+        idle_s=None if None in (before.idle_seconds, after.idle_seconds) else after.idle_seconds - before.idle_seconds,
         samples=[s.as_dict() for s in samples],
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dspark.bench.clients import DRAFTED_KINDS
 from dspark.bench.paired import interval_cell, verdict
+from dspark.engine.metrics import STEP_KINDS
 
 
 def _f(value, fmt: str = ".1f") -> str:
@@ -41,6 +42,33 @@ def summary_table(summary: list[dict]) -> str:
             f"{_f(r['verify_budget'], '.2f')} | "
             f"{_f(r['acceptance_length'], '.2f')} | {_f(r.get('step_batch'), '.2f')} | {_f(r.get('step_ms'))} | "
             f"{_drafted(r.get('drafted_steps'))} | {r['completed']} / {r['failed']} / {r['cut']} |")
+    return "\n".join(lines)
+
+
+def time_table(summary: list[dict]) -> str | None:
+    """Where each arm's engine time went (summed over repeats): per step kind its steps, ms a step,
+    target positions a step and share of the levels' wall time; the loop's idle share; and what is
+    left, the loop between steps. None when no row has the per-kind counters."""
+    rows = [r for r in summary if r.get("step_time")]
+    if not rows:
+        return None
+    head = ("| arm | load | " + " | ".join(f"{k} steps | {k} ms a step | {k} positions a step | {k} share"
+                                         for k in STEP_KINDS) + " | idle share | between steps |")
+    lines = [head, "|" + "---|" * (3 + 4 * len(STEP_KINDS))]
+    order = {"closed": 0, "poisson": 1}
+    for r in sorted(rows, key=lambda r: (order[r["pattern"]], r["level"], r["arm"])):
+        t = r["step_time"]
+        wall = t["wall_s"] or float("nan")
+        cells, busy = [], 0.0
+        for kind in STEP_KINDS:
+            k = t["kinds"].get(kind, {"steps": 0, "seconds": 0.0, "positions": 0})
+            n = k["steps"]
+            busy += k["seconds"]
+            cells.append(f"{n:.0f} | {_f(1e3 * k['seconds'] / n if n else None)} | "
+                         f"{_f(k['positions'] / n if n else None)} | {_percent(k['seconds'] / wall)}")
+        rest = (wall - busy - t["idle_s"]) / wall
+        lines.append(f"| {r['arm']} | {_level(r)} | " + " | ".join(cells)
+                     + f" | {_percent(t['idle_s'] / wall)} | {_percent(rest)} |")
     return "\n".join(lines)
 
 
@@ -90,6 +118,10 @@ def format_load_markdown(report) -> str:
     if report.command:
         parts.append(f"Command: `{report.command}`")
     parts.append(summary_table(report.summary) if report.summary else "(no point measured)")
+    times = time_table(report.summary or [])
+    if times:
+        parts.append("Where the engine's time went (summed over repeats; shares of the levels' wall time):\n\n"
+                     + times)
     parts.append("Goals:\n" + "\n".join(goal_lines(report.goals)))
     pending = [f"- {a['name']}: {a['pending']}" for a in report.arms if a.get("pending")]
     if pending:

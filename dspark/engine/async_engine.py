@@ -217,10 +217,15 @@ class AsyncEngine:
             self._publish_gauges()
 
     def _apply_commands(self, block: bool) -> None:
+        start = time.perf_counter()
         try:
             cmd = self._commands.get(timeout=self._idle_poll_s) if block else self._commands.get_nowait()
         except queue.Empty:
+            if block:
+                self.metrics.record_idle(time.perf_counter() - start)
             return
+        if block:
+            self.metrics.record_idle(time.perf_counter() - start)
         while True:
             self._apply(cmd)
             try:
@@ -275,7 +280,8 @@ class AsyncEngine:
             self._fail_running(exc)
             return
         if self.engine.num_steps > steps_before:
-            self.metrics.record_step(time.perf_counter() - start)
+            self.metrics.record_step(time.perf_counter() - start, self.engine.last_step_kind,
+                                     self.engine.last_step_positions)
         for out in outputs:
             self._deliver(out)
 

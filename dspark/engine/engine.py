@@ -89,7 +89,11 @@ class Engine:
         self.num_partial_drafts = 0  # ... where the policy drafted only some of them
         self.num_draft_skips = 0  # ... where it drafted none (a plain decode step)
         self._projected_rows = 0  # pending context rows of the requests drafted in the last step
+        self._proposed = False  # whether the last step ran the drafter's propose
         self.step_seconds = 0.0
+        # the last step's kind (STEP_KINDS) and target positions forwarded, for the serving metrics
+        self.last_step_kind: str | None = None
+        self.last_step_positions = 0
 
     # ------------------------------------------------------------------ API
     def add_request(
@@ -137,6 +141,7 @@ class Engine:
         plan = self.batcher.plan(self.drafter.new_state, self._release)
         if plan.empty:
             return []
+        self._proposed = False
         drafts, rows = self._draft(plan.decode)
         verify_lens = self._schedule(plan.decode, drafts, rows)
         proposal = _lay_out(drafts, rows, len(plan.decode), max(verify_lens, default=0))
@@ -146,6 +151,8 @@ class Engine:
         seconds = time.perf_counter() - start
         self.num_steps += 1
         self.step_seconds += seconds
+        self.last_step_kind = "prefill" if plan.prefill else ("drafted" if self._proposed else "plain")
+        self.last_step_positions = sum(n for _, n in plan.prefill) + len(plan.decode) + sum(verify_lens)
         self._report_timing(plan, drafts, verify_lens, seconds)
         return outputs
 
@@ -173,6 +180,7 @@ class Engine:
             self.num_draft_skips += 1  # a plain decode step: the policy saw no gain in drafting
             return empty_proposal(len(decoding), self.drafter.block_size), None
         drafting = [decoding[i] for i in rows]
+        self._proposed = True
         anchors = torch.tensor([r.anchor for r in drafting], dtype=torch.int64)
         proposal = self.drafter.propose(
             [r.draft_state for r in drafting], anchors, [r.params for r in drafting],

@@ -17,6 +17,12 @@ Exposed families (all prefixed `dspark_`):
     prompt_tokens_total, generation_tokens_total             counters
     kv_tokens_in_use, kv_free_slots                          gauges
     step_seconds, step_errors_total                          histogram, counter
+    engine_steps_total{kind}, engine_step_seconds_total{kind},
+    engine_step_positions_total{kind}                        counters, kind =
+        prefill (a step with prompt chunks), plain (decoding only, no draft),
+        drafted (decoding only, the drafter proposed for some requests)
+    engine_idle_seconds_total                                counter: the loop
+        waiting for requests with none to run
     time_to_first_token_seconds, time_per_output_token_seconds,
     request_latency_seconds                                  histograms
     spec_rounds_total, spec_verified_draft_tokens_total,
@@ -41,6 +47,7 @@ from dataclasses import dataclass, field
 
 from dspark.types import SpecStats
 
+STEP_KINDS = ("prefill", "plain", "drafted")
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -104,6 +111,9 @@ class _Counters:
     aborted: int = 0
     failed: int = 0
     step_errors: int = 0
+    idle_seconds: float = 0.0
+    # per step kind (STEP_KINDS): [steps, seconds, target positions forwarded]
+    step_kinds: dict[str, list] = field(default_factory=lambda: {k: [0, 0.0, 0] for k in STEP_KINDS})
 
 
 class ServingMetrics:
@@ -121,9 +131,20 @@ class ServingMetrics:
         self._latency = Histogram(LATENCY_BUCKETS)
 
     # ------------------------------------------------------------- writers
-    def record_step(self, seconds: float) -> None:
+    def record_step(self, seconds: float, kind: str | None = None, positions: int = 0) -> None:
+        """One engine step's wall time; `kind` (one of STEP_KINDS) and the target positions it
+        forwarded add it to the per-kind totals, which say where a level's time went."""
         with self._lock:
             self._step.observe(seconds)
+            if kind is not None:
+                totals = self._counters.step_kinds[kind]
+                totals[0] += 1
+                totals[1] += seconds
+                totals[2] += positions
+
+    def record_idle(self, seconds: float) -> None:
+        with self._lock:
+            self._counters.idle_seconds += seconds
 
     def record_step_error(self) -> None:
         with self._lock:
@@ -201,6 +222,17 @@ class ServingMetrics:
         out.histogram("step_seconds", "Wall time of one engine step (draft, schedule, verify, commit).", self._step)
         out.counter("step_errors_total", "Engine steps that raised (their running requests failed).",
                     self._counters.step_errors)
+        kinds = self._counters.step_kinds
+        out.family("engine_steps_total", "counter", "Engine steps by kind: prefill (with prompt chunks), plain "
+                   "(decoding, no draft), drafted (decoding, the drafter proposed).",
+                   [({"kind": k}, kinds[k][0]) for k in STEP_KINDS])
+        out.family("engine_step_seconds_total", "counter", "Wall time of engine steps by kind.",
+                   [({"kind": k}, kinds[k][1]) for k in STEP_KINDS])
+        out.family("engine_step_positions_total", "counter",
+                   "Target positions forwarded (prompt chunk, decode and verified draft tokens) by step kind.",
+                   [({"kind": k}, kinds[k][2]) for k in STEP_KINDS])
+        out.counter("engine_idle_seconds_total", "Time the engine loop waited for requests with none to run.",
+                    self._counters.idle_seconds)
         out.histogram("time_to_first_token_seconds", "Submit to first committed token, per request.", self._ttft)
         out.histogram("time_per_output_token_seconds", "Mean time per output token after the first, per request.",
                       self._tpot)
