@@ -64,3 +64,30 @@ def test_engine_ab_refuses_bad_arguments():
             engine_ab.main(argv)
     with pytest.raises(SystemExit, match="must differ"):
         engine_ab.main(["4", "2", "32", good[0], good[0]])
+
+
+def test_engine_ab_interleaved_rounds_run_each_arm_as_it_runs_alone():
+    """Interleaving the arms' engines step by step changes when each arm's steps run, never
+    what they do: greedy requests, the same closed loop, so every arm makes the same steps and
+    tokens as when it runs alone, and its seconds are its own steps' only."""
+    from dspark.bench.engine_ab import closed_loop, run_round
+    from dspark.types import SamplingParams
+    from tests.server_harness import make_engine
+
+    prompts = [[3 + (7 * i + j) % 40 for j in range(5 + 3 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+
+    def loops(policies):
+        return {name: closed_loop(make_engine(seed=2, policy=policy), prompts, params, 2, 5, 1)
+                for name, policy in policies.items()}
+
+    policies = {"nospec": "none", "fixed": "fixed"}
+    alone = run_round(loops(policies), interleave=False)
+    together = run_round(loops(policies), interleave=True)
+    for name in policies:
+        for key in ("tokens", "steps", "drafted", "together"):
+            assert together[name][key] == alone[name][key], (name, key)
+        assert together[name]["tokens"] == 5 * 12
+        row = together[name]
+        assert row["seconds"] == pytest.approx(row["prefill_s"] + row["decode_s"]) and row["seconds"] > 0
+    assert together["nospec"]["drafted"] == 0 < together["fixed"]["drafted"]

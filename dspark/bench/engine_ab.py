@@ -11,10 +11,17 @@ steps that drafted, and how many requests finished in the same step as another (
 of docs/LOAD.md run BG); then each arm's ratio of throughput to the first arm's, round by
 round, with its 95 % Student-t interval (`dspark.bench.paired.mean_interval`):
 
-    .venv/bin/python -m dspark.bench.engine_ab CONCURRENCY ROUNDS REQUESTS NAME=DRAFTER:POLICY ... [--prompt-chars N]
+    .venv/bin/python -m dspark.bench.engine_ab CONCURRENCY ROUNDS REQUESTS NAME=DRAFTER:POLICY ... [--prompt-chars N] [--interleave]
 
 e.g. `4 4 32 nospec=none:none dspark=default:dspark dspark-async=default:dspark-async`. The same
 greedy requests give every arm the same tokens, so the ratio is one of time alone.
+
+The machine's speed drifts by more than the effects in question: one after another, the same
+prompt-chunk work took up to 12 % more or less time in one arm than another of the same round
+(docs/LOAD.md, session 46). `--interleave` runs every arm's engine in the same round at once,
+taking one step each in turn, and counts each arm's own steps' time only: a drift then slows
+every arm alike, to within a step. (The engines share the target's weights and the machine's
+caches; an arm's step follows another arm's step in both modes of the round-robin alike.)
 """
 
 from __future__ import annotations
@@ -25,9 +32,75 @@ import sys
 import time
 
 
+def closed_loop(engine, prompt_ids, params, concurrency: int, requests: int, offset: int):
+    """`requests` requests from `prompt_ids` (from `offset` on, cyclically) through `engine`,
+    `concurrency` at a time, every finished one replaced at once; one engine step per `next()`,
+    yielding the running totals (tokens, seconds of its own steps, steps, seconds in steps with a
+    prompt chunk and in decode-only steps, requests finished in the same step as another, steps
+    that drafted), complete once the generator is exhausted."""
+    plan_steps, prefilled = engine.batcher.plan, [False]
+
+    def plan(*args, **kwargs):
+        out = plan_steps(*args, **kwargs)
+        prefilled[0] = bool(out.prefill)
+        return out
+
+    engine.batcher.plan = plan
+    sent = 0
+
+    def add() -> None:
+        nonlocal sent
+        engine.add_request(list(prompt_ids[(offset + sent) % len(prompt_ids)]), params)
+        sent += 1
+
+    for _ in range(min(concurrency, requests)):
+        add()
+    row = {"tokens": 0, "seconds": 0.0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "together": 0, "drafted": 0}
+    while engine.has_work():
+        start = time.perf_counter()
+        outputs = engine.step()
+        seconds = time.perf_counter() - start
+        row["seconds"] += seconds
+        row["prefill_s" if prefilled[0] else "decode_s"] += seconds
+        row["steps"] += 1
+        row["tokens"] += sum(len(o.new_token_ids) for o in outputs)
+        finished = [o for o in outputs if o.finished]
+        row["together"] += len(finished) if len(finished) > 1 else 0
+        for out in finished:
+            engine.pop_finished(out.request_id)
+            if sent < requests:
+                add()
+        row["drafted"] = engine.num_full_drafts + engine.num_partial_drafts
+        yield row
+
+
+def run_round(loops: dict, interleave: bool) -> dict[str, dict]:
+    """Each arm's totals of one round from its `closed_loop` (name -> generator, in the round's
+    order): one arm after another, or with `interleave` every arm at once, one step each in turn,
+    so that each arm's seconds (its own steps only) are measured at the same moments as the
+    others'."""
+    rows: dict[str, dict] = {}
+    if not interleave:
+        for name, loop in loops.items():
+            for rows[name] in loop:
+                pass
+        return rows
+    live = dict(loops)
+    while live:
+        for name in list(live):
+            row = next(live[name], None)
+            if row is None:
+                del live[name]
+            else:
+                rows[name] = row
+    return rows
+
+
 def main(argv: list[str]) -> None:
-    """CONCURRENCY ROUNDS REQUESTS NAME=DRAFTER:POLICY ... [--prompt-chars N] (no argparse outside cli.py)."""
-    chars = 2000
+    """CONCURRENCY ROUNDS REQUESTS NAME=DRAFTER:POLICY ... [--prompt-chars N] [--interleave] (no argparse outside
+    cli.py)."""
+    chars, interleave = 2000, "--interleave" in argv
+    argv = [a for a in argv if a != "--interleave"]
     if "--prompt-chars" in argv:
         at = argv.index("--prompt-chars")
         value = argv[at + 1] if at + 1 < len(argv) else ""
@@ -39,7 +112,7 @@ def main(argv: list[str]) -> None:
     if (len(numbers) != 3 or not all(a.isdigit() and int(a) > 0 for a in numbers) or len(arms) < 2
             or any(not name or sep != "=" or value.count(":") != 1 for name, sep, value in arms)):
         raise SystemExit("usage: python -m dspark.bench.engine_ab CONCURRENCY ROUNDS REQUESTS NAME=DRAFTER:POLICY "
-                         "NAME=DRAFTER:POLICY ... [--prompt-chars N] (integers > 0, two arms or more; e.g. 4 4 32 "
+                         "NAME=DRAFTER:POLICY ... [--prompt-chars N] [--interleave] (integers > 0, two arms or more; e.g. 4 4 32 "
                          "nospec=none:none dspark=default:dspark)")
     if len({name for name, _, _ in arms}) != len(arms):
         raise SystemExit(f"arm names must differ: {[name for name, _, _ in arms]}")
@@ -56,55 +129,25 @@ def main(argv: list[str]) -> None:
         drafter, policy = value.split(":")
         parts[name] = (policy, *bench.backend._arm_parts(Arm(name, drafter, policy)))
 
-    def run(name: str, offset: int) -> dict:
-        policy, drafter, cost = parts[name]
-        options = {"k": drafter.block_size} if policy == "fixed" else {}
-        engine = bench.engine(drafter, make_policy(policy, cost, **options))
-        plan_steps, prefilled = engine.batcher.plan, [False]
+    def loops(order: list[str], offset: int) -> dict:
+        out = {}
+        for name in order:
+            policy, drafter, cost = parts[name]
+            options = {"k": drafter.block_size} if policy == "fixed" else {}
+            engine = bench.engine(drafter, make_policy(policy, cost, **options))  # fresh: a policy keeps state
+            out[name] = closed_loop(engine, ids, params, concurrency, requests, offset)
+        return out
 
-        def plan(*args, **kwargs):
-            out = plan_steps(*args, **kwargs)
-            prefilled[0] = bool(out.prefill)
-            return out
-
-        engine.batcher.plan = plan
-        sent = 0
-
-        def add() -> None:
-            nonlocal sent
-            engine.add_request(list(ids[(offset + sent) % len(ids)]), params)
-            sent += 1
-
-        for _ in range(min(concurrency, requests)):
-            add()
-        row = {"tokens": 0, "seconds": 0.0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "together": 0}
-        while engine.has_work():
-            start = time.perf_counter()
-            outputs = engine.step()
-            seconds = time.perf_counter() - start
-            row["seconds"] += seconds
-            row["prefill_s" if prefilled[0] else "decode_s"] += seconds
-            row["steps"] += 1
-            row["tokens"] += sum(len(o.new_token_ids) for o in outputs)
-            finished = [o for o in outputs if o.finished]
-            row["together"] += len(finished) if len(finished) > 1 else 0
-            for out in finished:
-                engine.pop_finished(out.request_id)
-                if sent < requests:
-                    add()
-        row["drafted"] = engine.num_full_drafts + engine.num_partial_drafts
-        return row
-
-    for name, _, _ in arms:  # one unmeasured round: every arm's first run pays for warming up
-        run(name, len(ids) // 2)
     names = [name for name, _, _ in arms]
+    run_round(loops(names, len(ids) // 2), interleave)  # one unmeasured round: every arm's first run pays for warming up
     results: dict[str, list[dict]] = {name: [] for name in names}
     rng = random.Random(0)
     for r in range(rounds):
         order = names[:]
         rng.shuffle(order)
+        rows = run_round(loops(order, r * requests), interleave)
         for name in order:
-            row = run(name, r * requests)
+            row = rows[name]
             results[name].append(row)
             print(f"round {r} {name}: {row['tokens']} tokens in {row['seconds']:.1f} s, "
                   f"{row['tokens'] / row['seconds']:.2f} tok/s, {row['steps']} steps "
