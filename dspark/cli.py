@@ -177,6 +177,10 @@ def _parser() -> argparse.ArgumentParser:
     bs.add_argument("--no-warmup-pass", dest="warmup_pass", action="store_false",
                     help="skip the untimed pass of every arm at the largest load before timing (it keeps the "
                          "process's first full batch out of the first arm's numbers)")
+    bs.add_argument("--interleave", action="store_true",
+                    help="in-process: run the arms of each level at once, their engines taking steps in turn, and "
+                         "time each arm's throughput on its own steps, so the machine's drift slows every arm alike "
+                         "(per-user speeds then include the other arms' steps)")
     bs.add_argument("--think-seconds", type=float, default=0.0,
                     help="closed loop: mean pause of a client before each request (exponential, the same for "
                          "every arm); 0 sends the next request as soon as the last one ends")
@@ -469,6 +473,7 @@ def _bench_serve(args) -> None:
         concurrency=_ints(args.concurrency, "--concurrency"), rates=rates, max_seconds=args.max_seconds,
         repeats=args.repeats, requests_per_client=args.requests_per_client, level_seconds=args.level_seconds,
         bench=args.prompt_sets, sampling=sampling, warmup_pass=args.warmup_pass, think_s=args.think_seconds,
+        interleave=args.interleave,
     )
     run_load_bench(arms, settings, target=args.target, home=args.home, dtype=args.dtype, cpu_kernels=args.cpu_kernels,
                    device=args.device, out_dir=args.out, name=args.name,

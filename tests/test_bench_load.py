@@ -98,6 +98,67 @@ def test_six_paper_arms_in_process_closed_and_poisson(tmp_path):
     assert again.summary == data["summary"] and again.goals == data["goals"] and again.points == report.points
 
 
+def test_interleaved_arms_step_in_turn_and_are_timed_on_their_own_steps(tmp_path):
+    """--interleave: the arms of a level run at once through one Turnstile; greedy and lossless,
+    each arm still makes the tokens it makes alone, its throughput is its tokens over its own
+    steps' seconds (less than the level's wall time, which the other arms' steps share), and
+    per-user speed is not checked against MTP-1."""
+    loaded = _tiny_loaded(tmp_path)
+    dspark_dir, mtp_dir = _drafter_folders(loaded, tmp_path)
+    arms = [parse_arm("nospec=none:none"), parse_arm(f"k7={dspark_dir}:fixed"), parse_arm(f"mtp1={mtp_dir}:fixed")]
+    settings = LoadSettings(concurrency=(2,), requests_per_level=4, level_seconds=30, repeats=2, interleave=True,
+                            sampling=SamplingSpec(max_new_tokens=10), max_prompt_chars=90, bench="mbpp")
+    report = run_load_bench(arms, settings, loaded=loaded, out_dir=tmp_path / "out", name="il", progress=False)
+    assert len(report.points) == 6 and all(p.completed == 4 and p.failed == 0 for p in report.points)
+    for repeat in range(2):
+        points = [p for p in report.points if p.repeat == repeat]
+        assert len({p.output_tokens for p in points}) == 1  # greedy: the same tokens in every arm
+        for p in points:
+            busy = sum(k["seconds"] for k in p.step_kinds.values())
+            assert p.busy_s == pytest.approx(busy) and 0 < busy < p.duration_s  # the others' steps took some wall
+            assert p.throughput == pytest.approx(p.output_tokens / busy)
+    assert report.settings["interleave"] and "Interleaved:" in report.markdown()
+    assert all(g["status"] == "not measurable" and "interleaved" in g["why"]
+               for g in report.goals if g["goal"] == "matched_speed")
+
+
+def test_turnstile_alternates_engines_with_work():
+    """Two threads asking for steps in a loop alternate strictly; one alone is never held up."""
+    import threading
+
+    from dspark.engine.async_engine import Turnstile
+
+    turns, order = Turnstile(), []
+    ready = threading.Barrier(2)
+
+    def worker(name: str) -> None:
+        ready.wait()
+        for _ in range(50):
+            with turns.turn():
+                order.append(name)
+                time.sleep(0.0005)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(order) == ["a"] * 50 + ["b"] * 50
+    runs = sum(1 for x, y in zip(order, order[1:]) if x == y)
+    assert runs <= 3  # after both are queued, each step goes to the other one (start and end may repeat)
+    alone = []
+    for _ in range(5):
+        with turns.turn():
+            alone.append(1)
+    assert alone == [1] * 5
+
+
+def test_interleave_refuses_http_arms(tmp_path):
+    settings = LoadSettings(concurrency=(1,), interleave=True)
+    with pytest.raises(UserError, match="--interleave .* cannot reach the engines of HTTP servers"):
+        run_load_bench([parse_arm("srv=http://127.0.0.1:9")], settings, out_dir=tmp_path, progress=False)
+
+
 def test_arm_order_varies_position_and_predecessor_over_repeats():
     """Over five repeats of one level every arm runs after at least two different arms (or
     first), and the orders are reproducible: a fixed cyclic order would give each one arm."""
@@ -381,8 +442,9 @@ def test_bench_serve_options_reach_the_settings(monkeypatch):
     cli.main(["bench", "serve", "--arm", "a=none:none"])
     assert seen["settings"].repeats == 1 and seen["settings"].sampling.temperature == 0.0  # greedy by default
     assert seen["settings"].sampling.seed is None and seen["settings"].warmup_pass and seen["settings"].think_s == 0
-    cli.main(["bench", "serve", "--arm", "a=none:none", "--no-warmup-pass"])
-    assert not seen["settings"].warmup_pass
+    assert not seen["settings"].interleave
+    cli.main(["bench", "serve", "--arm", "a=none:none", "--no-warmup-pass", "--interleave"])
+    assert not seen["settings"].warmup_pass and seen["settings"].interleave
 
 
 @pytest.mark.parametrize("argv,message", [(["--rates", "0.5,fast"], "--rates takes comma-separated numbers"),

@@ -65,6 +65,10 @@ class LoadSettings:
     warmup_requests: int = 1  # short untimed requests per (arm, level) before timing
     warmup_pass: bool = True  # before the first timed level, each arm once at the largest load, untimed (`_warm_up_pass`)
     think_s: float = 0.0  # closed loop: mean seconds a client pauses before each request (exponential, seeded)
+    # in-process: the arms of a (repeat, level) at once, their engines stepping in turn, each arm's
+    # throughput timed on its own steps (`_measure_together`); per-user speeds then include the other
+    # arms' steps
+    interleave: bool = False
 
     def __post_init__(self) -> None:
         checks = [
@@ -147,12 +151,13 @@ class InProcessBackend:
     """One target in memory; a fresh engine per (arm, level), dropped after it."""
 
     def __init__(self, loaded, prompts: Sequence[BenchPrompt], sampling: SamplingSpec, max_running: int, *,
-                 embedded: bool = False, engine_config=None, profile=None, home=None) -> None:
+                 embedded: bool = False, engine_config=None, profile=None, home=None, turnstile=None) -> None:
         from dspark.engine.engine import EngineConfig
 
         if loaded.tokenizer is None:
             raise UserError(f"the target {loaded.name} has no tokenizer; the load benchmark needs its chat template")
         self.loaded, self.embedded, self.profile, self.home = loaded, embedded, profile, home
+        self.turnstile = turnstile  # engines of interleaved arms take their steps in turn through it
         self.encoder = ChatEncoder(loaded.tokenizer)
         longest = max(len(self.encoder(p)) for p in prompts)
         seq = min(longest + sampling.max_new_tokens + 16, loaded.model.config.max_position_embeddings)
@@ -188,7 +193,7 @@ class InProcessBackend:
             options = {"k": drafter.block_size}
         policy = make_policy(arm.policy, cost, **options)  # fresh: a policy may keep state between steps
         engine = Engine(self.loaded.model, drafter, policy, self.engine_config, tokenizer=self.loaded.tokenizer)
-        async_engine = AsyncEngine(engine)
+        async_engine = AsyncEngine(engine, turnstile=self.turnstile)
         async_engine.start()
         return async_engine
 
@@ -265,11 +270,32 @@ async def _warm_up_pass(arms: Sequence[Arm], run: _Run) -> None:
 
 
 async def _measure(client, arm: Arm, pattern: str, level: float, repeat: int, run: _Run) -> LevelPoint:
-    s = run.settings
     await _warm_up(client, run)
+    return await _timed(client, arm, pattern, level, repeat, run)
+
+
+async def _measure_together(arms: Sequence[Arm], pattern: str, level: float, repeat: int, run: _Run) -> list[LevelPoint]:
+    """`settings.interleave`: the arms of one (repeat, level) at once, each with its own clients and
+    engine, the engines taking their steps in turn (`Turnstile`), so that a drift of the machine's
+    speed slows every arm alike. Each arm's throughput is its tokens over its own steps' seconds
+    (`busy_s`); the level's wall-time limit is scaled by the number of arms."""
+    clients = []
+    try:
+        for arm in arms:
+            clients.append(await run.backend.open(arm))
+        await asyncio.gather(*(_warm_up(c, run) for c in clients))
+        return list(await asyncio.gather(*(_timed(c, a, pattern, level, repeat, run, share=len(arms))
+                                           for c, a in zip(clients, arms))))
+    finally:
+        for arm, client in zip(arms, clients):
+            await run.backend.release(arm, client)
+
+
+async def _timed(client, arm: Arm, pattern: str, level: float, repeat: int, run: _Run, share: int = 1) -> LevelPoint:
+    s = run.settings
     before = await settled_counters(client)
     n = s.num_requests(pattern, level)
-    limit = s.level_seconds
+    limit = s.level_seconds * share
     run.bar.set_postfix_str(f"{arm.name} {pattern} {level:g} (repeat {repeat + 1}/{s.repeats})")
     done = lambda sample: run.bar.update(1)  # noqa: E731
     if pattern == "closed":
@@ -280,7 +306,7 @@ async def _measure(client, arm: Arm, pattern: str, level: float, repeat: int, ru
         samples, elapsed = await poisson_arrivals(client, run.prompts, level, n, s.sampling, limit, seed, done)
     after = await settled_counters(client)
     run.bar.update(max(0, n - len(samples)))  # requests never sent (wall-time limit)
-    return summarize(arm.name, pattern, level, repeat, samples, elapsed, before, after)
+    return summarize(arm.name, pattern, level, repeat, samples, elapsed, before, after, own_clock=s.interleave)
 
 
 def arm_order(arms: Sequence[Arm], repeat: int, level_index: int) -> list[Arm]:
@@ -302,7 +328,12 @@ async def _sweep(arms: list[Arm], run: _Run) -> None:
             run.deadline += time.perf_counter() - started  # max_seconds bounds the timed levels
         for repeat in range(run.settings.repeats):
             for index, (pattern, level) in enumerate(levels):
-                for arm in arm_order(arms, repeat, index):
+                order = arm_order(arms, repeat, index)
+                if run.settings.interleave and time.perf_counter() < run.deadline:
+                    run.bar.set_postfix_str(f"all arms {pattern} {level:g} (repeat {repeat + 1}/{run.settings.repeats})")
+                    run.points.extend(await _measure_together(order, pattern, level, repeat, run))
+                    continue
+                for arm in order:
                     if time.perf_counter() >= run.deadline:
                         run.skipped.append({"arm": arm.name, "pattern": pattern, "level": level, "repeat": repeat,
                                             "reason": "the run's max_seconds was spent"})
@@ -330,6 +361,9 @@ def _check_arms(arms: Sequence[Arm]) -> None:
 def _backend(runnable: list[Arm], prompts, settings: LoadSettings, *, target, home, dtype, cpu_kernels, device,
              loaded, engine_config, profile, api_key):
     if not runnable or runnable[0].url is not None:
+        if settings.interleave:
+            raise UserError("--interleave runs the arms' engines in this process, in turn; it cannot reach the "
+                            "engines of HTTP servers: drop --interleave or benchmark in-process arms")
         return HttpBackend(api_key)
     if loaded is None:
         import torch
@@ -340,8 +374,11 @@ def _backend(runnable: list[Arm], prompts, settings: LoadSettings, *, target, ho
             raise UserError(f"unknown dtype {dtype!r}; use float32 or bfloat16")
         loaded = load_target(target, home=home, dtype=getattr(torch, dtype), cpu_kernels=cpu_kernels, device=device)
     max_running = max(list(settings.concurrency) + [16 if settings.rates else 1])
+    from dspark.engine.async_engine import Turnstile
+
     return InProcessBackend(loaded, prompts, settings.sampling, max_running, embedded=target is None,
-                            engine_config=engine_config, profile=profile, home=home)
+                            engine_config=engine_config, profile=profile, home=home,
+                            turnstile=Turnstile() if settings.interleave else None)
 
 
 def run_load_bench(

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from dspark.bench.clients import DRAFTED_KINDS, BenchPrompt, RequestSample, SamplingSpec, ServerCounters
+from dspark.errors import UserError
 
 OnDone = Callable[[RequestSample], None]
 
@@ -179,12 +180,17 @@ class LevelPoint:
     # plain, drafted) and the seconds its loop waited idle; empty / None from an older server
     step_kinds: dict[str, dict[str, float]] = field(default_factory=dict)
     idle_s: float | None = None
+    # interleaved arms (LoadSettings.interleave): the seconds of the arm's own engine steps, the clock
+    # its throughput and request rate are measured on; None: the level's wall time
+    busy_s: float | None = None
     errors: list[str] = field(default_factory=list)  # the first few distinct errors
     samples: list[dict] = field(default_factory=list)
 
 
 def summarize(arm: str, pattern: str, level: float, repeat: int, samples: list[RequestSample],
-              elapsed: float, before: ServerCounters, after: ServerCounters) -> LevelPoint:
+              elapsed: float, before: ServerCounters, after: ServerCounters, own_clock: bool = False) -> LevelPoint:
+    """One level's point; `own_clock` (interleaved arms) times throughput and the request rate on
+    the seconds of the arm's own engine steps instead of the level's wall time."""
     ok = [s for s in samples if s.status == "ok"]
     ttft = [s.ttft_s for s in ok if s.ttft_s is not None]
     tpot = [s.tpot_s for s in ok if s.tpot_s is not None]
@@ -195,18 +201,24 @@ def summarize(arm: str, pattern: str, level: float, repeat: int, samples: list[R
     committed = after.committed_tokens - before.committed_tokens
     verify_length = verified / rounds if rounds else None
     errors = list(dict.fromkeys(s.error for s in samples if s.error))[:3]
+    step_kinds = {kind: {what: totals[what] - before.step_kinds[kind][what] for what in totals}
+                  for kind, totals in after.step_kinds.items() if kind in before.step_kinds}
+    busy = sum(k["seconds"] for k in step_kinds.values()) if own_clock else None
+    if own_clock and not step_kinds:
+        raise UserError("interleaved arms are timed on their own engine steps, and this engine's metrics lack "
+                        "the per-kind step counters; run the load generator and engine of one dspark version")
+    clock = elapsed if busy is None else busy
     return LevelPoint(
         arm=arm, pattern=pattern, level=level, repeat=repeat, requests=len(samples), completed=len(ok),
         failed=sum(s.status == "failed" for s in samples), cut=sum(s.status == "cut" for s in samples),
-        duration_s=elapsed, output_tokens=tokens, throughput=tokens / elapsed if elapsed > 0 else 0.0,
+        duration_s=elapsed, output_tokens=tokens, throughput=tokens / clock if clock > 0 else 0.0,
         ttft_mean_s=_mean(ttft), ttft_p50_s=_quantile(ttft, 0.5), ttft_p90_s=_quantile(ttft, 0.9),
         tpot_mean_s=_mean(tpot), tps_user_mean=_mean(tps), tps_user_p50=_quantile(tps, 0.5), rounds=rounds,
         verify_length=verify_length, verify_budget=None if verify_length is None else 1.0 + verify_length,
         acceptance_length=committed / rounds if rounds else None,
-        achieved_rate=len(ok) / elapsed if elapsed > 0 else 0.0, errors=errors,
+        achieved_rate=len(ok) / clock if clock > 0 else 0.0, errors=errors, busy_s=busy,
         drafted_steps={k: b - a for k, a, b in zip(DRAFTED_KINDS, before.drafted_steps, after.drafted_steps)},
-        step_kinds={kind: {what: totals[what] - before.step_kinds[kind][what] for what in totals}
-                    for kind, totals in after.step_kinds.items() if kind in before.step_kinds},
+        step_kinds=step_kinds,
         idle_s=None if None in (before.idle_seconds, after.idle_seconds) else after.idle_seconds - before.idle_seconds,
         samples=[s.as_dict() for s in samples],
     )

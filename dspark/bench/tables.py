@@ -117,6 +117,10 @@ def format_load_markdown(report) -> str:
              f"{env['before']['loadavg_1_5_15']}, after {env['after']['loadavg_1_5_15']}."]
     if report.command:
         parts.append(f"Command: `{report.command}`")
+    if report.settings.get("interleave"):
+        parts.append("Interleaved: the arms of each level ran at once, their engines stepping in turn; throughput "
+                     "and ms a step are timed on each arm's own steps, while per-user speeds and TTFT include the "
+                     "other arms' steps.")
     parts.append(summary_table(report.summary) if report.summary else "(no point measured)")
     times = time_table(report.summary or [])
     if times:

@@ -21,6 +21,7 @@ joins the thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -140,11 +141,38 @@ class _Stop:
     deadline: float  # perf_counter time after which running requests are aborted
 
 
-class AsyncEngine:
-    """Runs `engine.step()` in a background thread; see the module docstring."""
+class Turnstile:
+    """Engines on one machine that take their steps one at a time, in turn (a ticket lock: a
+    step waits for the steps asked for before it, so engines with work alternate, and one
+    without work holds no one up). `dspark bench serve --interleave` runs its arms' engines
+    through one, so that the machine's drift slows every arm alike (dspark.bench.load)."""
 
-    def __init__(self, engine: Engine, *, idle_poll_s: float = 0.05) -> None:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._next = 0  # the next ticket handed out
+        self._serving = 0  # the ticket whose step may run
+
+    @contextlib.contextmanager
+    def turn(self):
+        with self._cond:
+            ticket, self._next = self._next, self._next + 1
+            while self._serving != ticket:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._serving += 1
+                self._cond.notify_all()
+
+
+class AsyncEngine:
+    """Runs `engine.step()` in a background thread; see the module docstring. With a
+    `turnstile`, each step waits for its turn among the engines sharing it (not timed)."""
+
+    def __init__(self, engine: Engine, *, idle_poll_s: float = 0.05, turnstile: Turnstile | None = None) -> None:
         self.engine = engine
+        self._turnstile = turnstile
         self.metrics = ServingMetrics(engine.drafter.block_size)
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}  # owned by the loop thread
@@ -271,17 +299,18 @@ class AsyncEngine:
 
     def _step(self) -> None:
         steps_before = self.engine.num_steps
-        start = time.perf_counter()
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:
-            log.exception("engine step failed; failing its running requests")
-            self.metrics.record_step_error()
-            self._fail_running(exc)
-            return
+        with self._turnstile.turn() if self._turnstile is not None else contextlib.nullcontext():
+            start = time.perf_counter()
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:
+                log.exception("engine step failed; failing its running requests")
+                self.metrics.record_step_error()
+                self._fail_running(exc)
+                return
+            seconds = time.perf_counter() - start
         if self.engine.num_steps > steps_before:
-            self.metrics.record_step(time.perf_counter() - start, self.engine.last_step_kind,
-                                     self.engine.last_step_positions)
+            self.metrics.record_step(seconds, self.engine.last_step_kind, self.engine.last_step_positions)
         for out in outputs:
             self._deliver(out)
 
