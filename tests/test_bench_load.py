@@ -268,7 +268,10 @@ def test_parse_arm():
     assert parse_arm("k=default:dspark").policy_options == {}
     both = parse_arm("l=default:dspark:pending=off:choices=off")
     assert both.gate_choices == "off" and both.policy_options == {"pending": "off", "choices": "off"}
-    for bad in ("noequals", "a=ngram", "a=ngram:bogus", "a=ngram:dspark:3", "a=ngram:fixed:x", "a=http://10.1.1.1:1",
+    rare = parse_arm("m=default:dspark-async:pending=on:probe_max=512")
+    assert rare.probe_max == 512 and rare.policy_options == {"pending": "on", "probe_max": 512}
+    for bad in ("a=default:dspark:probe_max=lots", "a=none:none:probe_max=512", "a=default:fixed:7:probe_max=64",
+                "noequals", "a=ngram", "a=ngram:bogus", "a=ngram:dspark:3", "a=ngram:fixed:x", "a=http://10.1.1.1:1",
                 "a=default:dspark:bf16=yes", "a=default:bf16=on", "a=default:dspark:pending=maybe",
                 "a=default:fixed:7:pending=off", "a=default:dspark:choices=no", "a=none:none:choices=off"):
         with pytest.raises(UserError):

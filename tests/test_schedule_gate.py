@@ -652,3 +652,14 @@ def test_the_choice_correction_is_off_by_default_and_an_option_of_both_scheduler
         assert make_policy(name, cost, choices="on").gate.choices is True
         with pytest.raises(UserError, match="choices must be 'on' or 'off'"):
             make_policy(name, cost, choices="maybe")
+
+
+def test_schedulers_pass_probe_max_to_their_gate():
+    """`probe_max` (a policy option, `:probe_max=N` on a load-bench arm) sets how far the gate's
+    probes back off while they find nothing; without it the gate's default, 4 x 32 steps."""
+    from dspark.schedule import make_policy
+
+    cost = _split(50, 5, 40)
+    assert make_policy("dspark", cost).gate.max_probe_every == 128
+    assert make_policy("dspark", cost, probe_max=512).gate.max_probe_every == 512
+    assert make_policy("dspark-async", cost, probe_max=256).gate.max_probe_every == 256

@@ -267,6 +267,8 @@ def test_registry_builds_every_policy():
         ("dspark-async", None, {}, "cost table"),
         ("dspark-async", CostTable({1: 0.01}), {"lag": 0}, "lag"),
         ("none", None, {"k": 1}, "valid options: none"),
+        ("dspark", CostTable({1: 0.01}), {"probe_max": 8}, "probe_max must be an integer >= 32"),
+        ("dspark-async", CostTable({1: 0.01}), {"probe_max": "often"}, "probe_max must be an integer >= 32"),
     ],
 )
 def test_registry_rejects_bad_names_and_options(name, cost, options, message):

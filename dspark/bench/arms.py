@@ -39,6 +39,7 @@ class Arm:
     drafter_bf16: str | None = None  # a learned drafter's bfloat16 path on the CPU: auto | on | off (None: the environment's)
     gate_pending: str | None = None  # the schedulers' gate prices pending context rows: on | off (None: on)
     gate_choices: str | None = None  # the schedulers' gate corrects for choosing on stale curves: on | off (None: off)
+    probe_max: int | None = None  # the schedulers' gate: longest probe interval in steps (None: the gate's, 128)
 
     def __post_init__(self) -> None:
         if not self.name or "=" in self.name or "," in self.name:
@@ -53,6 +54,9 @@ class Arm:
             if value is not None and self.policy not in ("dspark", "dspark-async"):
                 raise UserError(f"arm {self.name}: {option}= is an option of the dspark and dspark-async policies, "
                                 f"not {self.policy or 'a URL arm'}")
+        if self.probe_max is not None and self.policy not in ("dspark", "dspark-async"):
+            raise UserError(f"arm {self.name}: probe_max= is an option of the dspark and dspark-async policies, "
+                            f"not {self.policy or 'a URL arm'}")
 
     @property
     def policy_options(self) -> dict:
@@ -60,7 +64,7 @@ class Arm:
             return {"k": self.k}
         if self.policy == "threshold":
             return {"threshold": self.threshold}
-        gate = {"pending": self.gate_pending, "choices": self.gate_choices}
+        gate = {"pending": self.gate_pending, "choices": self.gate_choices, "probe_max": self.probe_max}
         return {k: v for k, v in gate.items() if v is not None}
 
     def as_dict(self) -> dict:
@@ -92,8 +96,15 @@ def parse_arm(spec: str) -> Arm:
     e.g. `exact=default:dspark:bf16=off`; a scheduler's arm in `:pending=off` (its draft gate ignores
     the context rows a draft must process first, as before docs/LOAD.md run BH), e.g.
     `old=default:dspark:pending=off`, and in `:choices=on` (its draft gate also scales the curves
-    it chooses on by how its own choices fared; off by default, docs/LOAD.md run BP)."""
+    it chooses on by how its own choices fared; off by default, docs/LOAD.md run BP), and in
+    `:probe_max=N` (the longest interval, in steps, its gate's probes back off to while they find
+    nothing worth drafting; 128 by default, docs/LOAD.md session 47)."""
     name, sep, value = spec.partition("=")
+    if sep and ":probe_max=" in value and not value.startswith(("http://", "https://")):
+        value, _, steps = value.rpartition(":probe_max=")
+        if not steps.isdigit():
+            raise UserError(f"arm {spec!r}: probe_max takes a whole number of steps, got {steps!r}")
+        return Arm(**{**parse_arm(f"{name}={value}").as_dict(), "probe_max": int(steps)})
     if sep and ":choices=" in value and not value.startswith(("http://", "https://")):
         value, _, choices = value.rpartition(":choices=")
         return Arm(**{**parse_arm(f"{name}={value}").as_dict(), "gate_choices": choices})

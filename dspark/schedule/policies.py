@@ -99,6 +99,16 @@ def _needs_cost(name: str, cost: CostTable | None) -> CostTable:
     return cost
 
 
+def _probe_max(options: dict) -> int | None:
+    """A scheduler's `probe_max` option: the longest interval, in steps of one load class, the gate's
+    probes back off to while they find nothing worth drafting (`DraftGate.max_probe_every`; default
+    None: 4 x its base interval of 32)."""
+    value = options.get("probe_max")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 32):
+        raise UserError(f"probe_max must be an integer >= 32 (the gate's base probe interval), got {value!r}")
+    return value
+
+
 def _switch(options: dict, name: str, default: str) -> bool:
     """A scheduler's on/off gate option: `pending` (default on) prices the context rows a draft
     must process first (`DraftGate`; off: as the gate was before docs/LOAD.md run BH), `choices`
@@ -114,14 +124,14 @@ _REGISTRY: dict[str, tuple[frozenset[str], Callable[[CostTable | None, dict], Ve
     "none": (frozenset(), lambda cost, o: NoSpeculation()),
     "fixed": (frozenset({"k"}), lambda cost, o: FixedLength(o["k"])),
     "threshold": (frozenset({"threshold"}), lambda cost, o: StaticThreshold(o["threshold"])),
-    "dspark": (frozenset({"pending", "choices"}),
+    "dspark": (frozenset({"pending", "choices", "probe_max"}),
                lambda cost, o: PrefixScheduler(_needs_cost("dspark", cost), price_pending=_switch(o, "pending", "on"),
-                                               choices=_switch(o, "choices", "off"))),
+                                               choices=_switch(o, "choices", "off"), max_probe_every=_probe_max(o))),
     "dspark-async": (
-        frozenset({"lag", "pending", "choices"}),
+        frozenset({"lag", "pending", "choices", "probe_max"}),
         lambda cost, o: AsyncPrefixScheduler(_needs_cost("dspark-async", cost), lag=o.get("lag", 2),
                                              price_pending=_switch(o, "pending", "on"),
-                                             choices=_switch(o, "choices", "off")),
+                                             choices=_switch(o, "choices", "off"), max_probe_every=_probe_max(o)),
     ),
     "retrospective": (frozenset(), lambda cost, o: RetrospectivePrefixScheduler(_needs_cost("retrospective", cost))),
 }

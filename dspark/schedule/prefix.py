@@ -127,9 +127,10 @@ class PrefixScheduler:
 
     name = "dspark"
 
-    def __init__(self, cost: CostTable | SplitCost, price_pending: bool = True, choices: bool = False) -> None:
+    def __init__(self, cost: CostTable | SplitCost, price_pending: bool = True, choices: bool = False,
+                 max_probe_every: int | None = None) -> None:
         self.cost = cost
-        self.gate = (DraftGate(cost, price_pending=price_pending, choices=choices)
+        self.gate = (DraftGate(cost, price_pending=price_pending, choices=choices, max_probe_every=max_probe_every)
                      if isinstance(cost, SplitCost) else None)
 
     def choose_drafts(self, request_ids: Sequence[Hashable], pending_rows: Sequence[int] | None = None) -> list[bool]:
@@ -211,7 +212,7 @@ class AsyncPrefixScheduler:
     name = "dspark-async"
 
     def __init__(self, cost: CostTable | SplitCost, lag: int = 2, price_pending: bool = True,
-                 choices: bool = False) -> None:
+                 choices: bool = False, max_probe_every: int | None = None) -> None:
         if lag < 1:
             raise ValueError(f"lag must be >= 1, got {lag}")
         self.cost = cost
@@ -219,8 +220,8 @@ class AsyncPrefixScheduler:
         self._history: deque[list[ScheduleRequest]] = deque(maxlen=lag)
         self._causal = PrefixScheduler(cost)
         self.last_capacity: int | None = None  # K of the last decide before clipping (None: causal fallback)
-        self.gate = (DraftGate(cost, would_verify=self.would_verify, price_pending=price_pending, choices=choices)
-                     if isinstance(cost, SplitCost) else None)
+        self.gate = (DraftGate(cost, would_verify=self.would_verify, price_pending=price_pending, choices=choices,
+                           max_probe_every=max_probe_every) if isinstance(cost, SplitCost) else None)
 
     def reset(self) -> None:
         """Forget the history (e.g. after the engine drains)."""
