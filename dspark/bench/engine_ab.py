@@ -108,37 +108,41 @@ def main(argv: list[str]) -> None:
             raise SystemExit("--prompt-chars takes the longest prompt to replay in characters, an integer > 0")
         chars, argv = int(value), argv[:at] + argv[at + 2:]
     numbers, specs = argv[:3], argv[3:]
-    arms = [spec.partition("=") for spec in specs]
-    if (len(numbers) != 3 or not all(a.isdigit() and int(a) > 0 for a in numbers) or len(arms) < 2
-            or any(not name or sep != "=" or value.count(":") != 1 for name, sep, value in arms)):
+    if (len(numbers) != 3 or not all(a.isdigit() and int(a) > 0 for a in numbers) or len(specs) < 2
+            or any(spec.count("=") < 1 or ":" not in spec.partition("=")[2] for spec in specs)):
         raise SystemExit("usage: python -m dspark.bench.engine_ab CONCURRENCY ROUNDS REQUESTS NAME=DRAFTER:POLICY "
-                         "NAME=DRAFTER:POLICY ... [--prompt-chars N] [--interleave] (integers > 0, two arms or more; e.g. 4 4 32 "
-                         "nospec=none:none dspark=default:dspark)")
-    if len({name for name, _, _ in arms}) != len(arms):
-        raise SystemExit(f"arm names must differ: {[name for name, _, _ in arms]}")
+                         "NAME=DRAFTER:POLICY ... [--prompt-chars N] [--interleave] (integers > 0, two arms or more, "
+                         "each as `dspark bench serve --arm` takes it; e.g. 4 4 32 nospec=none:none dspark=default:dspark)")
+    from dspark.bench.arms import parse_arm
+    from dspark.errors import UserError
+
+    try:
+        arms = [parse_arm(spec) for spec in specs]
+    except UserError as err:
+        raise SystemExit(f"usage: {err}") from None
+    if len({arm.name for arm in arms}) != len(arms):
+        raise SystemExit(f"arm names must differ: {[arm.name for arm in arms]}")
     concurrency, rounds, requests = (int(a) for a in numbers)
-    from dspark.bench.arms import Arm
     from dspark.bench.paired import interval_cell, mean_interval
     from dspark.bench.steps import EmbeddedBench
     from dspark.schedule import make_policy
 
     bench = EmbeddedBench.open(concurrency, chars)
     ids, params = bench.prompt_ids, bench.params
-    parts = {}
-    for name, _, value in arms:
-        drafter, policy = value.split(":")
-        parts[name] = (policy, *bench.backend._arm_parts(Arm(name, drafter, policy)))
+    parts = {arm.name: (arm, *bench.backend._arm_parts(arm)) for arm in arms}
 
     def loops(order: list[str], offset: int) -> dict:
         out = {}
         for name in order:
-            policy, drafter, cost = parts[name]
-            options = {"k": drafter.block_size} if policy == "fixed" else {}
-            engine = bench.engine(drafter, make_policy(policy, cost, **options))  # fresh: a policy keeps state
+            arm, drafter, cost = parts[name]
+            options = arm.policy_options
+            if arm.policy == "fixed" and options["k"] is None:
+                options = {"k": drafter.block_size}
+            engine = bench.engine(drafter, make_policy(arm.policy, cost, **options))  # fresh: a policy keeps state
             out[name] = closed_loop(engine, ids, params, concurrency, requests, offset)
         return out
 
-    names = [name for name, _, _ in arms]
+    names = [arm.name for arm in arms]
     run_round(loops(names, len(ids) // 2), interleave)  # one unmeasured round: every arm's first run pays for warming up
     results: dict[str, list[dict]] = {name: [] for name in names}
     rng = random.Random(0)
