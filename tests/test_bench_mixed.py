@@ -85,9 +85,10 @@ def test_engine_ab_interleaved_rounds_run_each_arm_as_it_runs_alone():
     alone = run_round(loops(policies), interleave=False)
     together = run_round(loops(policies), interleave=True)
     for name in policies:
-        for key in ("tokens", "steps", "drafted", "together"):
+        for key in ("tokens", "steps", "drafted", "together", "plain_steps"):
             assert together[name][key] == alone[name][key], (name, key)
         assert together[name]["tokens"] == 5 * 12
         row = together[name]
         assert row["seconds"] == pytest.approx(row["prefill_s"] + row["decode_s"]) and row["seconds"] > 0
     assert together["nospec"]["drafted"] == 0 < together["fixed"]["drafted"]
+    assert together["fixed"]["plain_steps"] == 0 < together["nospec"]["plain_steps"] < together["nospec"]["steps"]

@@ -37,7 +37,8 @@ def closed_loop(engine, prompt_ids, params, concurrency: int, requests: int, off
     `concurrency` at a time, every finished one replaced at once; one engine step per `next()`,
     yielding the running totals (tokens, seconds of its own steps, steps, seconds in steps with a
     prompt chunk and in decode-only steps, requests finished in the same step as another, steps
-    that drafted), complete once the generator is exhausted."""
+    that drafted, and the seconds and count of plain steps: decode-only, nobody drafting), complete
+    once the generator is exhausted."""
     plan_steps, prefilled = engine.batcher.plan, [False]
 
     def plan(*args, **kwargs):
@@ -55,13 +56,17 @@ def closed_loop(engine, prompt_ids, params, concurrency: int, requests: int, off
 
     for _ in range(min(concurrency, requests)):
         add()
-    row = {"tokens": 0, "seconds": 0.0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "together": 0, "drafted": 0}
+    row = {"tokens": 0, "seconds": 0.0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "together": 0, "drafted": 0,
+           "plain_s": 0.0, "plain_steps": 0}
     while engine.has_work():
         start = time.perf_counter()
         outputs = engine.step()
         seconds = time.perf_counter() - start
         row["seconds"] += seconds
         row["prefill_s" if prefilled[0] else "decode_s"] += seconds
+        if engine.last_step_kind == "plain":  # decode-only, nobody drafted: the same work in every arm
+            row["plain_s"] += seconds
+            row["plain_steps"] += 1
         row["steps"] += 1
         row["tokens"] += sum(len(o.new_token_ids) for o in outputs)
         finished = [o for o in outputs if o.finished]
@@ -156,16 +161,21 @@ def main(argv: list[str]) -> None:
             print(f"round {r} {name}: {row['tokens']} tokens in {row['seconds']:.1f} s, "
                   f"{row['tokens'] / row['seconds']:.2f} tok/s, {row['steps']} steps "
                   f"({1e3 * row['seconds'] / row['steps']:.1f} ms), prompt-chunk steps {row['prefill_s']:.1f} s, "
-                  f"decode-only steps {row['decode_s']:.1f} s, {row['drafted']} drafted, "
+                  f"decode-only steps {row['decode_s']:.1f} s, plain steps {row['plain_steps']} at "
+                  f"{1e3 * row['plain_s'] / max(row['plain_steps'], 1):.1f} ms, {row['drafted']} drafted, "
                   f"{row['together']}/{requests} finished together", flush=True)
     base = names[0]
     for name in names[1:]:
         ratios = [(a["tokens"] / a["seconds"]) / (b["tokens"] / b["seconds"])
                   for a, b in zip(results[name], results[base])]
         decode = [a["decode_s"] / b["decode_s"] for a, b in zip(results[name], results[base]) if b["decode_s"]]
+        plain = [(a["plain_s"] / a["plain_steps"]) / (b["plain_s"] / b["plain_steps"])
+                 for a, b in zip(results[name], results[base]) if a["plain_steps"] and b["plain_steps"]]
         print(f"{name} / {base}: throughput {', '.join(f'{x:.3f}' for x in ratios)}, mean "
-              f"{statistics.fmean(ratios):.3f}x ({interval_cell(mean_interval(ratios))}); decode-only steps' time "
-              f"{statistics.fmean(decode):.3f}x" if decode else "")
+              f"{statistics.fmean(ratios):.3f}x ({interval_cell(mean_interval(ratios))})"
+              + (f"; decode-only steps' time {statistics.fmean(decode):.3f}x" if decode else "")
+              + (f"; a plain step's time {statistics.fmean(plain):.3f}x ({interval_cell(mean_interval(plain))})"
+                 if plain else ""))
 
 
 if __name__ == "__main__":

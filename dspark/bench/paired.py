@@ -27,6 +27,12 @@ verdict: the one to trust when the two disagree.
 `--steady` pairs each closed-loop level's throughput until its first client ran dry
 (`load_report.steady_throughput`) instead of the whole level's: the tail, when fewer requests
 than clients are left, is out.
+
+Reports that record where the engine's time went (per step kind, since session 47) also get a
+table of the time a plain decode step took (nobody drafting: the same work in every arm) and of
+the time per position of the steps with a prompt chunk, each against the baseline's in the same
+repeat: a ratio away from 1 there is the machine or the arm's overhead, not its choices. Runs
+with `--interleave` (arms stepping in turn) and runs without are pooled apart.
 """
 
 from __future__ import annotations
@@ -114,6 +120,40 @@ def steady(point: dict) -> float | None:
     return steady_throughput(point.get("samples") or []) if point["pattern"] == "closed" else None
 
 
+def plain_step_ms(point: dict) -> float | None:
+    """Milliseconds of a plain decode step (decode-only, nobody drafting) of a point that records
+    its step kinds; None otherwise."""
+    kind = (point.get("step_kinds") or {}).get("plain")
+    return 1e3 * kind["seconds"] / kind["steps"] if kind and kind["steps"] else None
+
+
+def prefill_position_ms(point: dict) -> float | None:
+    """Milliseconds per target position of the steps with a prompt chunk; None without them."""
+    kind = (point.get("step_kinds") or {}).get("prefill")
+    return 1e3 * kind["seconds"] / kind["positions"] if kind and kind["positions"] else None
+
+
+def _step_table(points: Sequence[dict], baseline: str) -> str | None:
+    """Per arm and level: the plain step's and the prompt chunks' time per repeat against the
+    baseline's (None when the points lack step kinds)."""
+    plain = paired_differences(points, baseline, plain_step_ms)
+    prefill = paired_differences(points, baseline, prefill_position_ms)
+    if not plain and not prefill:
+        return None
+    lines = [f"| arm | pattern | load | a plain step's time / {baseline}'s, per repeat | mean (95 % interval) "
+             f"| prompt chunks' time a position / {baseline}'s, per repeat | mean (95 % interval) |",
+             "|---|---|---|---|---|---|---|"]
+    for key in sorted(set(plain) | set(prefill)):
+        cells = []
+        for rows in (plain.get(key, []), prefill.get(key, [])):
+            ratios = [r for _, r in rows]
+            cells.append(", ".join(f"{r:.3f}" for r in ratios) or "-")
+            cells.append(f"{statistics.mean(ratios):.3f}x ({interval_cell(mean_interval(ratios))})" if ratios else "-")
+        pattern, level, arm = key
+        lines.append(f"| {arm} | {pattern} | {level:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _read(path: str, baseline: str, value: Callable[[dict], float | None] = throughput) -> tuple[dict, dict]:
     """(the report's pairs, its settings), refusing a report without the baseline arm."""
     with open(path) as f:
@@ -125,7 +165,9 @@ def _read(path: str, baseline: str, value: Callable[[dict], float | None] = thro
     pairs = paired_differences(points, baseline, value)
     if not pairs:
         raise SystemExit(f"no arm shares a (repeat, level) with {baseline!r} in {path}")
-    return pairs, report.get("settings") or {}
+    settings = dict(report.get("settings") or {})
+    settings["step_table"] = _step_table(points, baseline)
+    return pairs, settings
 
 
 def main(argv: list[str]) -> None:
@@ -139,13 +181,14 @@ def main(argv: list[str]) -> None:
     baseline = others[0] if others else "nospec"
     if window:
         print("Closed-loop levels until their first client ran dry (the tail left out):\n")
-    pooled: dict[tuple[str, float, float, str], list[tuple[float, float]]] = {}
-    runs: dict[tuple[str, float, float, str], list[list[float]]] = {}  # each run's ratios
+    pooled: dict[tuple[str, float, float, str, str], list[tuple[float, float]]] = {}
+    runs: dict[tuple[str, float, float, str, str], list[list[float]]] = {}  # each run's ratios
     for path in paths:
         pairs, settings = _read(path, baseline, steady if window else throughput)
         think = float(settings.get("think_s") or 0.0)
+        mode = "interleaved" if settings.get("interleave") else "one after another"
         if len(paths) > 1:
-            print(f"{path}{f' (think {think:g} s)' if think else ''}:\n")
+            print(f"{path}{f' (think {think:g} s)' if think else ''}, arms {mode}:\n")
         print(f"| arm | pattern | load | difference to {baseline} per repeat (tok/s) | mean | mean ratio "
               f"| 95 % interval | below in |")
         print("|---|---|---|---|---|---|---|---|")
@@ -156,23 +199,26 @@ def main(argv: list[str]) -> None:
             print(f"| {arm} | {pattern} | {level:g} | {diffs} | {statistics.mean(d for d, _ in rows):+.2f} "
                   f"| {statistics.mean(r for _, r in rows):.3f}x | {interval_cell(interval)} "
                   f"| {below} of {len(rows)} |")
-            key = (pattern, level, think, arm)
+            key = (pattern, level, think, mode, arm)
             pooled.setdefault(key, []).extend(rows)
             runs.setdefault(key, []).append([r for _, r in rows])
         print()
+        if settings["step_table"]:
+            print(settings["step_table"] + "\n")
     if len(paths) < 2:
         return
-    print(f"Pooled over the {len(paths)} reports (repeats of the same pattern, load, think time and arm):\n")
-    print(f"| arm | pattern | load | think s | runs | repeats | mean ratio to {baseline} | 95 % interval "
+    print(f"Pooled over the {len(paths)} reports (repeats of the same pattern, load, think time, arm order and "
+          "arm):\n")
+    print(f"| arm | pattern | load | think s | arms | runs | repeats | mean ratio to {baseline} | 95 % interval "
           f"over repeats | below in | verdict | mean of run means | 95 % interval over runs | verdict over runs |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for (pattern, level, think, arm), rows in sorted(pooled.items()):
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (pattern, level, think, mode, arm), rows in sorted(pooled.items()):
         ratios = [r for _, r in rows]
         interval = mean_interval(ratios)
-        per_run = runs[(pattern, level, think, arm)]
+        per_run = runs[(pattern, level, think, mode, arm)]
         over_runs = run_interval(per_run)
         run_mean = statistics.mean(statistics.mean(run) for run in per_run)
-        print(f"| {arm} | {pattern} | {level:g} | {think:g} | {len(per_run)} | {len(rows)} "
+        print(f"| {arm} | {pattern} | {level:g} | {think:g} | {mode} | {len(per_run)} | {len(rows)} "
               f"| {statistics.mean(ratios):.3f}x | {interval_cell(interval)} | {sum(d < 0 for d, _ in rows)} of "
               f"{len(rows)} | {verdict(interval)} | {run_mean:.3f}x | {interval_cell(over_runs)} "
               f"| {verdict(over_runs)} |")
