@@ -562,7 +562,7 @@ def test_paired_pools_the_repeats_of_several_reports_into_one_interval(tmp_path,
     paused = report("paused.json", 1.0, [1.05, 0.96])
     main([first, second, paused])
     out = capsys.readouterr().out
-    assert "paused.json (think 1 s):" in out and "Pooled over the 3 reports" in out
+    assert "paused.json (think 1 s), arms one after another:" in out and "Pooled over the 3 reports" in out
     alone = mean_interval([0.97, 0.99, 0.96])
     assert alone[2] > 1.0  # one run alone: level
     mean, low, high = mean_interval([0.97, 0.99, 0.96, 0.99, 0.98, 0.97])
@@ -570,12 +570,39 @@ def test_paired_pools_the_repeats_of_several_reports_into_one_interval(tmp_path,
     # over the runs (0.973x and 0.980x, one degree of freedom) the same gap is not resolved
     runs = run_interval([[0.97, 0.99, 0.96], [0.99, 0.98, 0.97]])
     assert runs[0] == pytest.approx(mean) and runs[2] > 1.0 and verdict(runs) == "level"
-    assert (f"| a | closed | 4 | 0 | 2 | 6 | {mean:.3f}x | {low:.3f}-{high:.3f} | 6 of 6 | below | {runs[0]:.3f}x "
-            f"| {runs[1]:.3f}-{runs[2]:.3f} | level |") in out
-    assert "| a | closed | 4 | 1 | 1 | 2 | 1.005x |" in out and out.rstrip().endswith("| level | 1.005x | - | - |")
+    assert (f"| a | closed | 4 | 0 | one after another | 2 | 6 | {mean:.3f}x | {low:.3f}-{high:.3f} | 6 of 6 | below "
+            f"| {runs[0]:.3f}x | {runs[1]:.3f}-{runs[2]:.3f} | level |") in out
+    assert "| a | closed | 4 | 1 | one after another | 1 | 2 | 1.005x |" in out
+    assert out.rstrip().endswith("| level | 1.005x | - | - |")
     # runs that agree closely are below over the runs too, however few their repeats
     tight = run_interval([[0.957, 0.95], [0.963], [0.967, 0.97, 0.96], [0.963]])
     assert verdict(tight) == "below" and run_interval([[0.9, 0.95]]) is None and run_interval([[0.9], []]) is None
+
+
+def test_paired_sets_plain_steps_and_prompt_chunks_beside_the_baseline_and_pools_interleaved_runs_apart(
+        tmp_path, capsys):
+    from dspark.bench.paired import main, plain_step_ms, prefill_position_ms
+
+    def pt(arm, repeat, throughput, plain_ms, chunk_ms):
+        kinds = {"plain": {"steps": 100, "seconds": plain_ms / 10, "positions": 400},
+                 "prefill": {"steps": 4, "seconds": chunk_ms * 2, "positions": 2000},
+                 "drafted": {"steps": 0, "seconds": 0.0, "positions": 0}}
+        return {"arm": arm, "pattern": "closed", "level": 4, "repeat": repeat, "throughput": throughput,
+                "step_kinds": kinds}
+
+    assert plain_step_ms(pt("a", 0, 1.0, 70.0, 5.0)) == pytest.approx(70.0)
+    assert prefill_position_ms(pt("a", 0, 1.0, 70.0, 5.0)) == pytest.approx(5.0)
+    assert plain_step_ms({"arm": "a"}) is None and prefill_position_ms({"step_kinds": {}}) is None
+    # repeat 0 ran on a slow machine for both arms; arm a's plain steps cost 2 % more in both
+    points = [pt("nospec", 0, 30.0, 80.0, 5.5), pt("a", 0, 29.5, 81.6, 5.5),
+              pt("nospec", 1, 33.0, 70.0, 5.0), pt("a", 1, 32.5, 71.4, 5.0)]
+    for name, interleave in (("il.json", True), ("seq.json", False)):
+        (tmp_path / name).write_text(json.dumps({"settings": {"interleave": interleave}, "points": points}))
+    main([str(tmp_path / "il.json"), str(tmp_path / "seq.json")])
+    out = capsys.readouterr().out
+    assert "il.json, arms interleaved:" in out and "seq.json, arms one after another:" in out
+    assert "| a | closed | 4 | 1.020, 1.020 | 1.020x (1.020-1.020) | 1.000, 1.000 | 1.000x (1.000-1.000) |" in out
+    assert "| a | closed | 4 | 0 | interleaved | 1 | 2 |" in out and "| a | closed | 4 | 0 | one after another | 1 | 2 |" in out
 
 
 def test_goal_1_sets_each_check_beside_its_paired_interval_without_changing_the_rule():
