@@ -9,7 +9,13 @@ target in memory, a fresh `Engine` + `AsyncEngine` per arm and level, no
 HTTP). All arms run in the same process and sweep, interleaved: for every
 repeat and load level each arm runs once, in an order shuffled per repeat and
 level (`arm_order`), so drift of a shared machine, and whatever one arm leaves
-behind for the next, hits every arm alike.
+behind for the next, hits every arm alike in expectation. Within a minute the
+machine's speed can move by more than the effects in question (docs/LOAD.md,
+session 47), so in-process runs can also interleave step by step
+(`LoadSettings.interleave`, `--interleave`): the arms of a (repeat, level) run at
+once, their engines taking steps in turn through one `Turnstile`, and each arm's
+throughput is timed on its own steps (per-user speeds then include the other
+arms' steps).
 
 Load levels: a closed-loop concurrency sweep and open-loop Poisson arrival
 rates. Prompts are the first user turns of the evaluation benchmarks
