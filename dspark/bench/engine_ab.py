@@ -7,9 +7,12 @@ evaluation prompts at CONCURRENCY (every finished request replaced at once, gree
 one torch thread), the arms in a seeded shuffled order in every round, a fresh engine each time,
 after one unmeasured round. Per round and arm it prints the tokens, seconds, decode steps,
 milliseconds a step, the time spent in steps with a prompt chunk and in decode-only steps, the
-steps that drafted, and how many requests finished in the same step as another (the lockstep
-of docs/LOAD.md run BG); then each arm's ratio of throughput to the first arm's, round by
-round, with its 95 % Student-t interval (`dspark.bench.paired.mean_interval`):
+plain steps (decode-only, nobody drafting: the same work in every arm) and their milliseconds,
+the steps that drafted, and how many requests finished in the same step as another (the
+lockstep of docs/LOAD.md run BG); then each arm's ratio of throughput, and of a plain step's
+time, to the first arm's, round by round, with 95 % Student-t intervals
+(`dspark.bench.paired.mean_interval`). Arms are written as `dspark bench serve --arm` takes
+them, policy options included (`dspark.bench.arms.parse_arm`):
 
     .venv/bin/python -m dspark.bench.engine_ab CONCURRENCY ROUNDS REQUESTS NAME=DRAFTER:POLICY ... [--prompt-chars N] [--interleave]
 
@@ -20,8 +23,9 @@ The machine's speed drifts by more than the effects in question: one after anoth
 prompt-chunk work took up to 12 % more or less time in one arm than another of the same round
 (docs/LOAD.md, session 46). `--interleave` runs every arm's engine in the same round at once,
 taking one step each in turn, and counts each arm's own steps' time only: a drift then slows
-every arm alike, to within a step. (The engines share the target's weights and the machine's
-caches; an arm's step follows another arm's step in both modes of the round-robin alike.)
+every arm alike, to within a step. (The engines share the target's weights; interleaved, each
+arm's step follows another arm's, so a step may find less of its own data in the caches than
+alone, and every arm alike.)
 """
 
 from __future__ import annotations
