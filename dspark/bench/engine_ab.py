@@ -43,14 +43,6 @@ def closed_loop(engine, prompt_ids, params, concurrency: int, requests: int, off
     prompt chunk and in decode-only steps, requests finished in the same step as another, steps
     that drafted, and the seconds and count of plain steps: decode-only, nobody drafting), complete
     once the generator is exhausted."""
-    plan_steps, prefilled = engine.batcher.plan, [False]
-
-    def plan(*args, **kwargs):
-        out = plan_steps(*args, **kwargs)
-        prefilled[0] = bool(out.prefill)
-        return out
-
-    engine.batcher.plan = plan
     sent = 0
 
     def add() -> None:
@@ -67,7 +59,7 @@ def closed_loop(engine, prompt_ids, params, concurrency: int, requests: int, off
         outputs = engine.step()
         seconds = time.perf_counter() - start
         row["seconds"] += seconds
-        row["prefill_s" if prefilled[0] else "decode_s"] += seconds
+        row["prefill_s" if engine.last_step_kind == "prefill" else "decode_s"] += seconds
         if engine.last_step_kind == "plain":  # decode-only, nobody drafted: the same work in every arm
             row["plain_s"] += seconds
             row["plain_steps"] += 1
