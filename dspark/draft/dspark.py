@@ -108,7 +108,6 @@ class DSparkDrafter(DraftVocabMixin, ParallelBackbone, TrainableDrafter):
     def new_state(self) -> DSparkState:
         return DSparkState(self.new_context_kv())
 
-    @torch.no_grad()
     def observe(self, states, token_ids, tapped_hidden) -> None:
         """Take the committed tokens' tapped hidden states. They are projected into context
         keys/values lazily, for all pending requests at once, when a request is drafted for
@@ -116,19 +115,26 @@ class DSparkDrafter(DraftVocabMixin, ParallelBackbone, TrainableDrafter):
         cost no drafter work, and one batched projection replaces many one-row ones."""
         if tapped_hidden is None:
             raise ValueError(f"{self.name} needs the target's hidden states of layers {self.tap_layers}")
-        lengths = [int(h.shape[0]) for h in tapped_hidden]
-        if lengths != [int(t.shape[0]) for t in token_ids]:
-            raise ValueError("observe needs one hidden-state row per committed token")
-        full = []
-        for state, hidden, n in zip(states, tapped_hidden, lengths):
+        if len(tapped_hidden) != len(token_ids) or len(states) != len(token_ids):
+            raise ValueError("observe needs one state, one token tensor and one hidden-state tensor per request")
+        # this runs for every request at every step, most of them steps nobody drafts in: kept lean
+        full, device, taps = [], self.device, len(self.tap_layers)
+        for state, hidden, tokens in zip(states, tapped_hidden, token_ids):
+            n = hidden.shape[0]
+            if n != tokens.shape[0]:
+                raise ValueError("observe needs one hidden-state row per committed token")
             if not n:
                 continue
-            if hidden.dim() != 3 or hidden.shape[1] != len(self.tap_layers):
-                raise ValueError(f"expected hidden states of {len(self.tap_layers)} tapped layers, got {tuple(hidden.shape)}")
-            state.add_pending(hidden.detach().to(self.device, copy=True))  # not a view of the step's batch
+            if hidden.dim() != 3 or hidden.shape[1] != taps:
+                raise ValueError(f"expected hidden states of {taps} tapped layers, got {tuple(hidden.shape)}")
+            # a copy, not a view of the step's batch, and no autograd graph
+            hidden = hidden.detach()
+            state.pending.append(hidden.clone() if hidden.device == device else hidden.to(device, copy=True))
+            state.num_pending += n
             if state.num_pending >= MAX_PENDING_ROWS:
                 full.append(state)
-        self.project_pending(full)
+        if full:
+            self.project_pending(full)
 
     @torch.no_grad()
     def project_pending(self, states: list[DSparkState]) -> None:

@@ -162,7 +162,8 @@ class Engine:
         observe = getattr(self.policy, "observe_step", None)
         if observe is None or plan.prefill or not plan.decode:
             return
-        drafted = int((drafts.num_drafted > 0).sum())
+        # a plain step (nobody proposed) reads no tensor: most steps at high load are plain
+        drafted = int((drafts.num_drafted > 0).sum()) if self._proposed else 0
         projected = self._projected_rows if drafted else 0
         observe(StepTiming(len(plan.decode), drafted, len(plan.decode) + sum(verify_lens), seconds, projected))
 
@@ -216,10 +217,11 @@ class Engine:
         """Verify lengths for `decoding` from the proposal of its requests `rows` (None: all)."""
         if not decoding:
             return []
-        conf = None if drafts.confidences is None else drafts.confidences.tolist()
-        num = drafts.num_drafted.tolist()
-        where = range(len(decoding)) if rows is None else rows  # decoding index of each proposal row
         drafted, confidences = [0] * len(decoding), [None] * len(decoding)
+        # nobody proposed (a plain step): no tensor to read
+        conf = None if drafts.confidences is None or not self._proposed else drafts.confidences.tolist()
+        num = drafts.num_drafted.tolist() if self._proposed else []
+        where = range(len(num)) if rows is None else rows  # decoding index of each proposal row
         for k, i in enumerate(where):
             drafted[i] = num[k]
             # None for a request that did not draft this step: unknown, not "no tokens survive"
