@@ -92,3 +92,29 @@ def test_engine_ab_interleaved_rounds_run_each_arm_as_it_runs_alone():
         assert row["seconds"] == pytest.approx(row["prefill_s"] + row["decode_s"]) and row["seconds"] > 0
     assert together["nospec"]["drafted"] == 0 < together["fixed"]["drafted"]
     assert together["fixed"]["plain_steps"] == 0 < together["nospec"]["plain_steps"] < together["nospec"]["steps"]
+
+
+def test_engine_ab_times_the_target_forward_per_engine_and_matches_batch_shapes():
+    """A TimedTarget times one engine's forwards without touching the shared model; an arm's plain
+    steps compared with a fit of its own read 1; forwards twice as slow at the same shapes read 2."""
+    from dspark.bench.engine_ab import TimedTarget, closed_loop, fit_forward, matched_forward, run_round
+    from dspark.types import SamplingParams
+    from tests.server_harness import make_engine
+
+    prompts = [[3 + (7 * i + j) % 40 for j in range(5 + 3 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=16)
+    engine = make_engine(seed=2, policy="none")
+    model = engine.target
+    engine.target = TimedTarget(model)
+    row = run_round({"nospec": closed_loop(engine, prompts, params, 3, 6, 0)}, interleave=False)["nospec"]
+    assert "forward" not in vars(model)  # the shared model is untouched
+    plain = row["plain"]
+    assert len(plain) == row["plain_steps"] > 10
+    for seconds, last in plain:
+        assert 0 < last["forward"] <= seconds
+        assert last["rows"] == last["requests"] >= 1  # a plain step: one row a request
+        assert last["longest"] * last["requests"] >= last["context"] >= last["longest"] > 5
+    coef = fit_forward(plain)
+    assert matched_forward(coef, plain) == pytest.approx(1.0, rel=1e-6)
+    slower = [(2 * seconds, dict(last, forward=2 * last["forward"])) for seconds, last in plain]
+    assert matched_forward(coef, slower) == pytest.approx(2.0, rel=1e-6)

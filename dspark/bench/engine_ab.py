@@ -11,7 +11,11 @@ plain steps (decode-only, nobody drafting: the same work in every arm) and their
 the steps that drafted, and how many requests finished in the same step as another (the
 lockstep of docs/LOAD.md run BG); then each arm's ratio of throughput, and of a plain step's
 time, to the first arm's, round by round, with 95 % Student-t intervals
-(`dspark.bench.paired.mean_interval`). Arms are written as `dspark bench serve --arm` takes
+(`dspark.bench.paired.mean_interval`). A drafting arm's plain steps are the steps its gate
+left alone, not the same batches as the first arm's, so last it compares the plain steps'
+target forwards at the same batch shape (the first arm's forward time fitted on requests, rows
+and contexts: `fit_forward`, `matched_forward`) and prints the rest of a plain step (its time
+outside the target forward: batching, scheduling, verification, the drafter's observe). Arms are written as `dspark bench serve --arm` takes
 them, policy options included (`dspark.bench.arms.parse_arm`):
 
     .venv/bin/python -m dspark.bench.engine_ab CONCURRENCY ROUNDS REQUESTS NAME=DRAFTER:POLICY ... [--prompt-chars N] [--interleave]
@@ -36,14 +40,38 @@ import sys
 import time
 
 
+class TimedTarget:
+    """One engine's view of the target: the same model (arms may share it), its forward timed and
+    the shape of each forward's batch noted in `last`: the forward's seconds, its requests, its
+    rows (tokens), the longest context after it (attention reads every request's slot up to the
+    longest) and the contexts' sum."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.last: dict[str, float] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def forward(self, batch, cache, **kwargs):
+        contexts = [cache.length(slot) + q for slot, q in zip(batch.slots, batch.query_lens)]
+        start = time.perf_counter()
+        out = self.model.forward(batch, cache, **kwargs)
+        self.last = {"forward": time.perf_counter() - start, "requests": len(contexts),
+                     "rows": sum(batch.query_lens), "longest": max(contexts, default=0), "context": sum(contexts)}
+        return out
+
+
 def closed_loop(engine, prompt_ids, params, concurrency: int, requests: int, offset: int):
     """`requests` requests from `prompt_ids` (from `offset` on, cyclically) through `engine`,
     `concurrency` at a time, every finished one replaced at once; one engine step per `next()`,
     yielding the running totals (tokens, seconds of its own steps, steps, seconds in steps with a
     prompt chunk and in decode-only steps, requests finished in the same step as another, steps
     that drafted, and the seconds and count of plain steps: decode-only, nobody drafting), complete
-    once the generator is exhausted."""
+    once the generator is exhausted. With the engine's target a `TimedTarget`, the totals also
+    list every plain step as (step seconds, `TimedTarget.last`) under "plain"."""
     sent = 0
+    timed = isinstance(engine.target, TimedTarget)
 
     def add() -> None:
         nonlocal sent
@@ -53,7 +81,7 @@ def closed_loop(engine, prompt_ids, params, concurrency: int, requests: int, off
     for _ in range(min(concurrency, requests)):
         add()
     row = {"tokens": 0, "seconds": 0.0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "together": 0, "drafted": 0,
-           "plain_s": 0.0, "plain_steps": 0}
+           "plain_s": 0.0, "plain_steps": 0, "plain": []}
     while engine.has_work():
         start = time.perf_counter()
         outputs = engine.step()
@@ -63,6 +91,8 @@ def closed_loop(engine, prompt_ids, params, concurrency: int, requests: int, off
         if engine.last_step_kind == "plain":  # decode-only, nobody drafted: the same work in every arm
             row["plain_s"] += seconds
             row["plain_steps"] += 1
+            if timed:
+                row["plain"].append((seconds, engine.target.last))
         row["steps"] += 1
         row["tokens"] += sum(len(o.new_token_ids) for o in outputs)
         finished = [o for o in outputs if o.finished]
@@ -73,6 +103,33 @@ def closed_loop(engine, prompt_ids, params, concurrency: int, requests: int, off
                 add()
         row["drafted"] = engine.num_full_drafts + engine.num_partial_drafts
         yield row
+
+
+def _shape(last: dict[str, float]) -> list[float]:
+    """A forward's batch shape as the terms its time is fitted on (`fit_forward`)."""
+    return [1.0, last["requests"], last["rows"], last["requests"] * last["longest"], last["context"]]
+
+
+def fit_forward(plain: list[tuple[float, dict]]):
+    """Least-squares coefficients of a plain step's forward seconds on its batch shape (a constant,
+    the requests, the rows, requests x the longest context, the contexts' sum), from one arm's
+    plain steps (`closed_loop`'s "plain"): what that arm's forward costs for a batch of any shape."""
+    import numpy as np
+
+    shapes = np.array([_shape(last) for _, last in plain])
+    seconds = np.array([last["forward"] for _, last in plain])
+    return np.linalg.lstsq(shapes, seconds, rcond=None)[0]
+
+
+def matched_forward(coef, plain: list[tuple[float, dict]]) -> float:
+    """These plain steps' forward seconds over what `coef` (`fit_forward` on another arm) predicts
+    for the same batch shapes: the arms' forwards compared step for step, free of which batches
+    each arm's plain steps happened to hold (a drafting arm's plain steps are a subset of its
+    steps, so their mean time alone compares different batches)."""
+    import numpy as np
+
+    predicted = np.array([_shape(last) for _, last in plain]) @ coef
+    return float(sum(last["forward"] for _, last in plain) / predicted.sum())
 
 
 def run_round(loops: dict, interleave: bool) -> dict[str, dict]:
@@ -140,6 +197,7 @@ def main(argv: list[str]) -> None:
             if arm.policy == "fixed" and options["k"] is None:
                 options = {"k": drafter.block_size}
             engine = bench.engine(drafter, make_policy(arm.policy, cost, **options))  # fresh: a policy keeps state
+            engine.target = TimedTarget(engine.target)
             out[name] = closed_loop(engine, ids, params, concurrency, requests, offset)
         return out
 
@@ -172,6 +230,20 @@ def main(argv: list[str]) -> None:
               + (f"; decode-only steps' time {statistics.fmean(decode):.3f}x" if decode else "")
               + (f"; a plain step's time {statistics.fmean(plain):.3f}x ({interval_cell(mean_interval(plain))})"
                  if plain else ""))
+    base_plain = [step for row in results[base] for step in row["plain"]]
+    if len(base_plain) < 10:
+        print(f"too few plain steps of {base} ({len(base_plain)}) to fit its forward on the batch shape")
+        return
+    coef = fit_forward(base_plain)
+    for name in names:
+        rounds_plain = [row["plain"] for row in results[name] if row["plain"]]
+        if not rounds_plain:
+            continue
+        ratios = [matched_forward(coef, p) for p in rounds_plain]
+        rest = [seconds - last["forward"] for p in rounds_plain for seconds, last in p]
+        print(f"{name}: plain steps' target forward {statistics.fmean(ratios):.4f}x {base}'s at the same batch shape "
+              f"({interval_cell(mean_interval(ratios))}, round by round); the rest of a plain step "
+              f"{1e3 * statistics.fmean(rest):.3f} ms over {len(rest)} steps")
 
 
 if __name__ == "__main__":
