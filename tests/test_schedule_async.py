@@ -131,3 +131,16 @@ def test_lag_option_changes_the_history_depth():
     assert policy.last_capacity is None
     policy.decide([req("a", [0.9] * 3)])
     assert policy.last_capacity == 3
+
+
+def test_a_plain_step_verifies_nothing_and_keeps_the_snapshot_history():
+    """A step nobody drafted in returns zeros at once, with no capacity searched; it still counts
+    as one of the two calls the capacity lags by, so the next drafted step's K comes from the
+    snapshot two calls back, as without the shortcut."""
+    policy = AsyncPrefixScheduler(CLIFF)
+    policy.decide([req("r", [0.95] * 8)])
+    assert policy.decide([req("r", None, num_drafted=0), req("s", None, num_drafted=0)]) == [0, 0]
+    assert policy.last_capacity is None
+    assert PrefixScheduler(CLIFF).decide([req("r", None, num_drafted=0)]) == [0]
+    # K = 8 from the first call, two calls back (Algorithm 1 alone would stop at 3)
+    assert policy.decide([req("r", [0.5] * 8)]) == [8] and policy.last_capacity == 8

@@ -143,6 +143,8 @@ class PrefixScheduler:
             return []
         if self.gate is not None:
             self.gate.record(requests)
+        if not any(q.num_drafted for q in requests):
+            return [0] * len(requests)  # a plain step (most steps at high load): nothing to walk
         batch = _Batch.of(requests)
         cands = ranked_candidates(batch.survivals)
         curve = curve_for(self.cost, _drafted(q.num_drafted for q in requests), len(requests))
@@ -219,7 +221,7 @@ class AsyncPrefixScheduler:
         self.lag = lag
         self._history: deque[list[ScheduleRequest]] = deque(maxlen=lag)
         self._causal = PrefixScheduler(cost)
-        self.last_capacity: int | None = None  # K of the last decide before clipping (None: causal fallback)
+        self.last_capacity: int | None = None  # K of the last decide before clipping (None: causal fallback, or nothing drafted)
         self.gate = (DraftGate(cost, would_verify=self.would_verify, price_pending=price_pending, choices=choices,
                            max_probe_every=max_probe_every) if isinstance(cost, SplitCost) else None)
 
@@ -255,9 +257,9 @@ class AsyncPrefixScheduler:
             self.gate.record(requests)
         past = self._history[0] if len(self._history) == self.lag else None
         self._history.append(list(requests))
-        if not requests:
-            self.last_capacity = None
-            return []
+        if not requests or not any(q.num_drafted for q in requests):
+            self.last_capacity = None  # nothing drafted (a plain step): no capacity to search for
+            return [0] * len(requests)
         capacity = self.capacity(past, requests) if past is not None else None
         self.last_capacity = capacity
         if capacity is None:
