@@ -234,15 +234,16 @@ def main(argv: list[str]) -> None:
     if len(base_plain) < 10:
         print(f"too few plain steps of {base} ({len(base_plain)}) to fit its forward on the batch shape")
         return
-    coef = fit_forward(base_plain)
+    coef = fit_forward(base_plain)  # over every round: each round's own speed is divided out below
     for name in names:
-        rounds_plain = [row["plain"] for row in results[name] if row["plain"]]
-        if not rounds_plain:
+        # per round, against the first arm's steps of the same round (the machine's speed of that round)
+        ratios = [matched_forward(coef, a["plain"]) / matched_forward(coef, b["plain"])
+                  for a, b in zip(results[name], results[base]) if a["plain"] and b["plain"]]
+        rest = [seconds - last["forward"] for row in results[name] for seconds, last in row["plain"]]
+        if not rest:
             continue
-        ratios = [matched_forward(coef, p) for p in rounds_plain]
-        rest = [seconds - last["forward"] for p in rounds_plain for seconds, last in p]
         print(f"{name}: plain steps' target forward {statistics.fmean(ratios):.4f}x {base}'s at the same batch shape "
-              f"({interval_cell(mean_interval(ratios))}, round by round); the rest of a plain step "
+              f"({interval_cell(mean_interval(ratios))}, paired by round); the rest of a plain step "
               f"{1e3 * statistics.fmean(rest):.3f} ms over {len(rest)} steps")
 
 
