@@ -14,9 +14,10 @@ time, to the first arm's, round by round, with 95 % Student-t intervals
 (`dspark.bench.paired.mean_interval`). A drafting arm's plain steps are the steps its gate
 left alone, not the same batches as the first arm's, so last it compares the plain steps'
 target forwards at the same batch shape (the first arm's forward time fitted on requests, rows
-and contexts: `fit_forward`, `matched_forward`) and prints the rest of a plain step (its time
-outside the target forward: batching, scheduling, verification, the drafter's observe). Arms are written as `dspark bench serve --arm` takes
-them, policy options included (`dspark.bench.arms.parse_arm`):
+and contexts: `fit_forward`, `matched_forward`, paired by round) and prints the rest of a plain
+step (its time outside the target forward: batching, scheduling, verification, the drafter's
+observe). Arms are written as `dspark bench serve --arm` takes them, policy options included
+(`dspark.bench.arms.parse_arm`):
 
     .venv/bin/python -m dspark.bench.engine_ab CONCURRENCY ROUNDS REQUESTS NAME=DRAFTER:POLICY ... [--prompt-chars N] [--interleave]
 

@@ -52,10 +52,6 @@ class DSparkState:
     pending: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [n, T, D] chunks
     num_pending: int = 0  # rows in `pending` (kept, not summed: observe asks at every step)
 
-    def add_pending(self, hidden: torch.Tensor) -> None:
-        self.pending.append(hidden)
-        self.num_pending += int(hidden.shape[0])
-
     def clear_pending(self) -> None:
         self.pending.clear()
         self.num_pending = 0
