@@ -85,6 +85,8 @@ def test_six_paper_arms_in_process_closed_and_poisson(tmp_path):
         assert 0 < busy and 0 <= p.idle_s and busy + p.idle_s <= p.duration_s + 0.5  # idle counts the settle wait
         assert kinds["plain"]["steps"] + kinds["drafted"]["steps"] <= sum(p.drafted_steps.values())
         assert kinds["prefill"]["positions"] >= kinds["prefill"]["steps"] > 0
+        assert all(0 <= k["forward_seconds"] <= k["seconds"] for k in kinds.values())
+        assert kinds["prefill"]["forward_seconds"] > 0
     kinds = {p.arm: p.step_kinds for p in report.points if p.level == 2}
     assert kinds["nospec"]["drafted"]["steps"] == 0 < kinds["nospec"]["plain"]["steps"]
     assert kinds["dspark-k7"]["plain"]["steps"] == 0 < kinds["dspark-k7"]["drafted"]["steps"]
@@ -581,16 +583,21 @@ def test_paired_pools_the_repeats_of_several_reports_into_one_interval(tmp_path,
 
 def test_paired_sets_plain_steps_and_prompt_chunks_beside_the_baseline_and_pools_interleaved_runs_apart(
         tmp_path, capsys):
-    from dspark.bench.paired import main, plain_step_ms, prefill_position_ms
+    from dspark.bench.paired import main, plain_forward_ms, plain_rest_ms, plain_step_ms, prefill_position_ms
 
-    def pt(arm, repeat, throughput, plain_ms, chunk_ms):
+    def pt(arm, repeat, throughput, plain_ms, chunk_ms, forward_ms=None):
         kinds = {"plain": {"steps": 100, "seconds": plain_ms / 10, "positions": 400},
                  "prefill": {"steps": 4, "seconds": chunk_ms * 2, "positions": 2000},
                  "drafted": {"steps": 0, "seconds": 0.0, "positions": 0}}
+        if forward_ms is not None:  # a report since session 49: the forward timed apart
+            kinds["plain"]["forward_seconds"] = forward_ms / 10
         return {"arm": arm, "pattern": "closed", "level": 4, "repeat": repeat, "throughput": throughput,
                 "step_kinds": kinds}
 
     assert plain_step_ms(pt("a", 0, 1.0, 70.0, 5.0)) == pytest.approx(70.0)
+    assert plain_forward_ms(pt("a", 0, 1.0, 70.0, 5.0)) is None and plain_rest_ms(pt("a", 0, 1.0, 70.0, 5.0)) is None
+    assert plain_forward_ms(pt("a", 0, 1.0, 70.0, 5.0, 68.0)) == pytest.approx(68.0)
+    assert plain_rest_ms(pt("a", 0, 1.0, 70.0, 5.0, 68.0)) == pytest.approx(2.0)
     assert prefill_position_ms(pt("a", 0, 1.0, 70.0, 5.0)) == pytest.approx(5.0)
     assert plain_step_ms({"arm": "a"}) is None and prefill_position_ms({"step_kinds": {}}) is None
     # repeat 0 ran on a slow machine for both arms; arm a's plain steps cost 2 % more in both
@@ -603,6 +610,15 @@ def test_paired_sets_plain_steps_and_prompt_chunks_beside_the_baseline_and_pools
     assert "il.json, arms interleaved:" in out and "seq.json, arms one after another:" in out
     assert "| a | closed | 4 | 1.020, 1.020 | 1.020x (1.020-1.020) | 1.000, 1.000 | 1.000x (1.000-1.000) |" in out
     assert "| a | closed | 4 | 0 | interleaved | 1 | 2 |" in out and "| a | closed | 4 | 0 | one after another | 1 | 2 |" in out
+    assert "target forward" not in out  # reports before session 49 did not time the forward apart
+    # the forward timed apart: arm a's forward is level with the baseline's, its plain step's extra
+    # 2 % (1.6 and 1.4 ms) lies outside the forward
+    points = [pt("nospec", 0, 30.0, 80.0, 5.5, 78.0), pt("a", 0, 29.5, 81.6, 5.5, 78.0),
+              pt("nospec", 1, 33.0, 70.0, 5.0, 68.0), pt("a", 1, 32.5, 71.4, 5.0, 68.0)]
+    (tmp_path / "fw.json").write_text(json.dumps({"settings": {"interleave": True}, "points": points}))
+    main([str(tmp_path / "fw.json")])
+    out = capsys.readouterr().out
+    assert "| a | closed | 4 | 1.000, 1.000 | 1.000x (1.000-1.000) | 3.50 | 2.00 | +1.50 (+0.23 to +2.77) |" in out
 
 
 def test_goal_1_sets_each_check_beside_its_paired_interval_without_changing_the_rule():

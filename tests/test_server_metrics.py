@@ -72,7 +72,8 @@ EXPECTED = [
     "dspark_spec_position_acceptance_rate", "dspark_spec_predicted_accepted_total",
     "dspark_spec_calibrated_accepted_total", "dspark_spec_calibrated_rounds_total", "dspark_spec_calibration_error",
     "dspark_decode_steps_total", "dspark_engine_steps_total", "dspark_engine_step_seconds_total",
-    "dspark_engine_step_positions_total", "dspark_engine_idle_seconds_total",
+    "dspark_engine_step_positions_total", "dspark_engine_step_forward_seconds_total",
+    "dspark_engine_idle_seconds_total",
 ]
 
 
@@ -128,6 +129,11 @@ def test_metrics_parse_and_match_the_requests():
     assert kinds["drafted"][0] == rounds and kinds["plain"] == [0, 0, 0]
     assert kinds["drafted"][2] == rounds + verified
     assert len(prompts) <= kinds["prefill"][0] and kinds["prefill"][2] == _value(fams, "dspark_prompt_tokens_total")
+    # the target forward is part of every step that ran one, never all of a drafted step's time
+    forward = {k: _value(fams, "dspark_engine_step_forward_seconds_total", f'{{kind="{k}"}}')
+               for k in ("prefill", "plain", "drafted")}
+    assert forward["plain"] == 0 and 0 < forward["prefill"] <= kinds["prefill"][1]
+    assert 0 < forward["drafted"] < kinds["drafted"][1]
     assert sum(k[0] for k in kinds.values()) == _value(fams, "dspark_step_seconds", suffix="_count")
     assert sum(k[1] for k in kinds.values()) == pytest.approx(_value(fams, "dspark_step_seconds", suffix="_sum"))
     assert _value(fams, "dspark_engine_idle_seconds_total") > 0  # it waited between the requests

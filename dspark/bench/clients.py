@@ -103,7 +103,9 @@ _DRAFTED_STEPS = "dspark_decode_steps_total"  # labelled drafted="all" | "some" 
 DRAFTED_KINDS = ("all", "some", "none")
 # labelled kind="prefill" | "plain" | "drafted" (dspark.engine.metrics.STEP_KINDS); optional (older servers)
 _STEP_KIND_FAMILIES = {"steps": "dspark_engine_steps_total", "seconds": "dspark_engine_step_seconds_total",
-                       "positions": "dspark_engine_step_positions_total"}
+                       "positions": "dspark_engine_step_positions_total",
+                       "forward_seconds": "dspark_engine_step_forward_seconds_total"}
+_STEP_KIND_OPTIONAL = ("forward_seconds",)  # servers before session 49 do not time the forward apart
 _IDLE = "dspark_engine_idle_seconds_total"
 
 
@@ -121,8 +123,9 @@ class ServerCounters:
     queue_depth: int
     failed: int
     drafted_steps: tuple[int, int, int]  # decode steps that drafted all, some, none of their requests
-    # {kind: {"steps", "seconds", "positions"}} per step kind, and the loop's idle seconds (where the
-    # engine's time went); empty / None from a server without those families
+    # {kind: {"steps", "seconds", "positions", "forward_seconds"}} per step kind, and the loop's idle
+    # seconds (where the engine's time went); empty / None from a server without those families
+    # ("forward_seconds", the target forward's part of the seconds, absent from older servers)
     step_kinds: dict = field(default_factory=dict)
     idle_seconds: float | None = None
 
@@ -155,7 +158,8 @@ class ServerCounters:
                             "version? Upgrade the server to the load generator's version")
         return cls(**{name: int(values[metric]) for name, metric in _COUNTERS.items()},
                    drafted_steps=tuple(drafted[k] for k in DRAFTED_KINDS),
-                   step_kinds={k: v for k, v in kinds.items() if len(v) == len(_STEP_KIND_FAMILIES)},
+                   step_kinds={k: v for k, v in kinds.items()
+                               if all(w in v for w in _STEP_KIND_FAMILIES if w not in _STEP_KIND_OPTIONAL)},
                    idle_seconds=values.get(_IDLE))
 
     @property

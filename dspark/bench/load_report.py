@@ -161,7 +161,8 @@ def step_shape(point) -> tuple[float | None, float | None]:
 
 def step_time(points: list) -> dict | None:
     """Where the engine's time went over some levels (repeats of one arm and load): per step kind
-    (prefill, plain, drafted) the steps, seconds and target positions summed, the loop's idle
+    (prefill, plain, drafted) the steps, seconds, target positions and target forward's seconds
+    (where the engine timed it apart) summed, the loop's idle
     seconds, and the levels' wall seconds (what is left of them is the loop between steps: handing
     tokens out, taking requests in). None when a point lacks the per-kind counters (older runs)."""
     if not points or any(not p.step_kinds or p.idle_s is None for p in points):
@@ -171,7 +172,7 @@ def step_time(points: list) -> dict | None:
         for kind, totals in p.step_kinds.items():
             into = kinds.setdefault(kind, {"steps": 0.0, "seconds": 0.0, "positions": 0.0})
             for what, value in totals.items():
-                into[what] += value
+                into[what] = into.get(what, 0.0) + value
     return {"kinds": kinds, "idle_s": sum(p.idle_s for p in points), "wall_s": sum(p.duration_s for p in points)}
 
 

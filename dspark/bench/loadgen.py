@@ -176,8 +176,9 @@ class LevelPoint:
     acceptance_length: float | None  # tau: committed tokens per round
     achieved_rate: float  # finished requests/s
     drafted_steps: dict[str, int] = field(default_factory=dict)  # decode steps that drafted all/some/none requests
-    # where the engine's time went: {kind: {"steps", "seconds", "positions"}} per step kind (prefill,
-    # plain, drafted) and the seconds its loop waited idle; empty / None from an older server
+    # where the engine's time went: {kind: {"steps", "seconds", "positions", "forward_seconds"}} per step
+    # kind (prefill, plain, drafted) and the seconds its loop waited idle; empty / None from an older
+    # server ("forward_seconds", the target forward's part, absent before session 49)
     step_kinds: dict[str, dict[str, float]] = field(default_factory=dict)
     idle_s: float | None = None
     # interleaved arms (LoadSettings.interleave): the seconds of the arm's own engine steps, the clock
@@ -201,7 +202,8 @@ def summarize(arm: str, pattern: str, level: float, repeat: int, samples: list[R
     committed = after.committed_tokens - before.committed_tokens
     verify_length = verified / rounds if rounds else None
     errors = list(dict.fromkeys(s.error for s in samples if s.error))[:3]
-    step_kinds = {kind: {what: totals[what] - before.step_kinds[kind][what] for what in totals}
+    step_kinds = {kind: {what: totals[what] - before.step_kinds[kind][what] for what in totals
+                         if what in before.step_kinds[kind]}
                   for kind, totals in after.step_kinds.items() if kind in before.step_kinds}
     busy = sum(k["seconds"] for k in step_kinds.values()) if own_clock else None
     if own_clock and not step_kinds:

@@ -32,7 +32,11 @@ Reports that record where the engine's time went (per step kind, since session 4
 table of the time a plain decode step took (nobody drafting: the same work in every arm) and of
 the time per position of the steps with a prompt chunk, each against the baseline's in the same
 repeat: a ratio away from 1 there is the machine or the arm's overhead, not its choices. Runs
-with `--interleave` (arms stepping in turn) and runs without are pooled apart.
+with `--interleave` (arms stepping in turn) and runs without are pooled apart. Reports whose
+engine timed its target forward apart (since session 49) split the plain step further: its
+target forward against the baseline's (different batches: a drafting arm's plain steps are the
+ones its gate left alone), and the rest of it in milliseconds, the arm's overhead outside the
+forward.
 """
 
 from __future__ import annotations
@@ -133,6 +137,55 @@ def prefill_position_ms(point: dict) -> float | None:
     return 1e3 * kind["seconds"] / kind["positions"] if kind and kind["positions"] else None
 
 
+def plain_forward_ms(point: dict) -> float | None:
+    """Milliseconds of a plain decode step's target forward (None where the engine did not time the
+    forward apart: reports before session 49)."""
+    kind = (point.get("step_kinds") or {}).get("plain")
+    return 1e3 * kind["forward_seconds"] / kind["steps"] if kind and kind["steps"] and "forward_seconds" in kind else None
+
+
+def plain_rest_ms(point: dict) -> float | None:
+    """Milliseconds of a plain decode step outside its target forward: batching, the gate,
+    scheduling, verification, commit, the drafter's observe (None as `plain_forward_ms`)."""
+    forward = plain_forward_ms(point)
+    return None if forward is None else plain_step_ms(point) - forward
+
+
+def _forward_table(points: Sequence[dict], baseline: str) -> str | None:
+    """Per arm and level: a plain step split into its target forward (against the baseline's, per
+    repeat) and the rest (its milliseconds, and the difference to the baseline's); None when the
+    points lack the forward's time."""
+    forward = paired_differences(points, baseline, plain_forward_ms)
+    rest = paired_differences(points, baseline, plain_rest_ms)
+    if not forward:
+        return None
+    base_rest: dict[tuple[str, float], list[float]] = {}
+    for p in points:
+        value = plain_rest_ms(p) if p["arm"] == baseline else None
+        if value is not None:
+            base_rest.setdefault((p["pattern"], p["level"]), []).append(value)
+    lines = [f"| arm | pattern | load | a plain step's target forward / {baseline}'s, per repeat | mean (95 % interval) "
+             f"| the rest of a plain step (ms) | {baseline}'s | difference (ms, 95 % interval) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for key in sorted(forward):
+        pattern, level, arm = key
+        ratios = [r for _, r in forward[key]]
+        diffs = [d for d, _ in rest.get(key, [])]
+        mine = [v for p in points if (p["pattern"], p["level"], p["arm"]) == key
+                for v in [plain_rest_ms(p)] if v is not None]
+        theirs = base_rest.get((pattern, level), [])
+        lines.append(f"| {arm} | {pattern} | {level:g} | {', '.join(f'{r:.3f}' for r in ratios)} "
+                     f"| {statistics.mean(ratios):.3f}x ({interval_cell(mean_interval(ratios))}) "
+                     f"| {statistics.mean(mine):.2f} | {statistics.mean(theirs):.2f} "
+                     f"| {statistics.mean(diffs):+.2f} ({_cell(mean_interval(diffs))}) |")
+    return "\n".join(lines)
+
+
+def _cell(interval: tuple[float, float, float] | None) -> str:
+    """'low to high' of an interval of differences ('-' without one)."""
+    return "-" if interval is None else f"{interval[1]:+.2f} to {interval[2]:+.2f}"
+
+
 def _step_table(points: Sequence[dict], baseline: str) -> str | None:
     """Per arm and level: the plain step's and the prompt chunks' time per repeat against the
     baseline's (None when the points lack step kinds)."""
@@ -167,6 +220,7 @@ def _read(path: str, baseline: str, value: Callable[[dict], float | None] = thro
         raise SystemExit(f"no arm shares a (repeat, level) with {baseline!r} in {path}")
     settings = dict(report.get("settings") or {})
     settings["step_table"] = _step_table(points, baseline)
+    settings["forward_table"] = _forward_table(points, baseline)
     return pairs, settings
 
 
@@ -203,8 +257,9 @@ def main(argv: list[str]) -> None:
             pooled.setdefault(key, []).extend(rows)
             runs.setdefault(key, []).append([r for _, r in rows])
         print()
-        if settings["step_table"]:
-            print(settings["step_table"] + "\n")
+        for table in ("step_table", "forward_table"):
+            if settings[table]:
+                print(settings[table] + "\n")
     if len(paths) < 2:
         return
     print(f"Pooled over the {len(paths)} reports (repeats of the same pattern, load, think time, arm order and "

@@ -310,7 +310,8 @@ class AsyncEngine:
                 return
             seconds = time.perf_counter() - start
         if self.engine.num_steps > steps_before:
-            self.metrics.record_step(seconds, self.engine.last_step_kind, self.engine.last_step_positions)
+            self.metrics.record_step(seconds, self.engine.last_step_kind, self.engine.last_step_positions,
+                                     self.engine.last_forward_seconds)
         for out in outputs:
             self._deliver(out)
 

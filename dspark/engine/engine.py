@@ -94,6 +94,9 @@ class Engine:
         # the last step's kind (STEP_KINDS) and target positions forwarded, for the serving metrics
         self.last_step_kind: str | None = None
         self.last_step_positions = 0
+        # the last step's target forward (up to its logits' first host read), in seconds: a step's time
+        # outside it is batching, drafting, scheduling, verification and commit
+        self.last_forward_seconds = 0.0
 
     # ------------------------------------------------------------------ API
     def add_request(
@@ -234,15 +237,19 @@ class Engine:
         return [max(0, min(int(l), s.num_drafted)) for l, s in zip(lens, requests)]
 
     def _verify(self, batch: StepBatch) -> tuple[VerifyResult | None, torch.Tensor | None]:
+        start = time.perf_counter()
         out = self.target.forward(
             batch.ragged, self.kv, logits_rows=batch.logits_rows, tap_layers=self.drafter.tap_layers
         )
         if not batch.entries:
+            self.last_forward_seconds = time.perf_counter() - start
             return None, out.tapped_hidden
         # one float32 sum instead of an elementwise isfinite (3.3 ms a step at 16 requests on a
         # 49k vocabulary, 0.1 ms for the sum): it is NaN or infinite iff a logit is, or iff the
         # logits are so large (>1e33) that they overflow float32, which is no less broken
-        if not torch.isfinite(out.logits.sum(dtype=torch.float32)):
+        finite = bool(torch.isfinite(out.logits.sum(dtype=torch.float32)))  # a host read: the forward is done
+        self.last_forward_seconds = time.perf_counter() - start
+        if not finite:
             raise RuntimeError("the target produced non-finite logits; check the model weights and dtype")
         target_logits = batch.scatter_logits(out.logits)  # [E, W, V]
         entries = batch.entries

@@ -18,7 +18,8 @@ Exposed families (all prefixed `dspark_`):
     kv_tokens_in_use, kv_free_slots                          gauges
     step_seconds, step_errors_total                          histogram, counter
     engine_steps_total{kind}, engine_step_seconds_total{kind},
-    engine_step_positions_total{kind}                        counters, kind =
+    engine_step_positions_total{kind},
+    engine_step_forward_seconds_total{kind}                  counters, kind =
         prefill (a step with prompt chunks), plain (decoding only, no draft),
         drafted (decoding only, the drafter proposed for some requests)
     engine_idle_seconds_total                                counter: the loop
@@ -113,7 +114,8 @@ class _Counters:
     step_errors: int = 0
     idle_seconds: float = 0.0
     # per step kind (STEP_KINDS): [steps, seconds, target positions forwarded]
-    step_kinds: dict[str, list] = field(default_factory=lambda: {k: [0, 0.0, 0] for k in STEP_KINDS})
+    # per kind: steps, seconds, target positions, seconds of the target forward
+    step_kinds: dict[str, list] = field(default_factory=lambda: {k: [0, 0.0, 0, 0.0] for k in STEP_KINDS})
 
 
 class ServingMetrics:
@@ -131,9 +133,11 @@ class ServingMetrics:
         self._latency = Histogram(LATENCY_BUCKETS)
 
     # ------------------------------------------------------------- writers
-    def record_step(self, seconds: float, kind: str | None = None, positions: int = 0) -> None:
-        """One engine step's wall time; `kind` (one of STEP_KINDS) and the target positions it
-        forwarded add it to the per-kind totals, which say where a level's time went."""
+    def record_step(self, seconds: float, kind: str | None = None, positions: int = 0,
+                    forward_seconds: float = 0.0) -> None:
+        """One engine step's wall time; `kind` (one of STEP_KINDS), the target positions it
+        forwarded and its target forward's seconds add it to the per-kind totals, which say where a
+        level's time went (and how much of a step is the forward, how much the rest)."""
         with self._lock:
             self._step.observe(seconds)
             if kind is not None:
@@ -141,6 +145,7 @@ class ServingMetrics:
                 totals[0] += 1
                 totals[1] += seconds
                 totals[2] += positions
+                totals[3] += forward_seconds
 
     def record_idle(self, seconds: float) -> None:
         with self._lock:
@@ -231,6 +236,10 @@ class ServingMetrics:
         out.family("engine_step_positions_total", "counter",
                    "Target positions forwarded (prompt chunk, decode and verified draft tokens) by step kind.",
                    [({"kind": k}, kinds[k][2]) for k in STEP_KINDS])
+        out.family("engine_step_forward_seconds_total", "counter",
+                   "Wall time of engine steps' target forward by step kind (up to the first host read of its "
+                   "logits; the rest of a step is batching, drafting, scheduling, verification and commit).",
+                   [({"kind": k}, kinds[k][3]) for k in STEP_KINDS])
         out.counter("engine_idle_seconds_total", "Time the engine loop waited for requests with none to run.",
                     self._counters.idle_seconds)
         out.histogram("time_to_first_token_seconds", "Submit to first committed token, per request.", self._ttft)
