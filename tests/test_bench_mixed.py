@@ -59,8 +59,9 @@ def test_engine_ab_refuses_bad_arguments():
     good = ["nospec=none:none", "dspark=default:dspark"]
     for argv in ([], ["4", "2", "32", good[0]], ["4", "0", "32", *good], ["4", "2", "32", "nospec", good[1]],
                  ["4", "2", "32", "nospec=none", good[1]], ["4", "2", "32", *good, "--prompt-chars"],
-                 ["4", "2", "32", *good, "--prompt-chars", "0"]):
-        with pytest.raises(SystemExit, match="usage|prompt-chars"):
+                 ["4", "2", "32", *good, "--prompt-chars", "0"], ["4", "2", "32", *good, "--prefill-wait"],
+                 ["4", "2", "32", *good, "--prefill-wait", "0"]):
+        with pytest.raises(SystemExit, match="usage|prompt-chars|prefill-wait"):
             engine_ab.main(argv)
     with pytest.raises(SystemExit, match="must differ"):
         engine_ab.main(["4", "2", "32", good[0], good[0]])
@@ -90,6 +91,9 @@ def test_engine_ab_interleaved_rounds_run_each_arm_as_it_runs_alone():
         assert together[name]["tokens"] == 5 * 12
         row = together[name]
         assert row["seconds"] == pytest.approx(row["prefill_s"] + row["decode_s"]) and row["seconds"] > 0
+        # every prompt token is forwarded in a prompt-chunk step (prompts that start together share one)
+        assert 0 < row["prefill_steps"] <= row["steps"] - row["plain_steps"]
+        assert row["prefill_positions"] >= sum(len(p) for p in prompts)
     assert together["nospec"]["drafted"] == 0 < together["fixed"]["drafted"]
     assert together["fixed"]["plain_steps"] == 0 < together["nospec"]["plain_steps"] < together["nospec"]["steps"]
 
