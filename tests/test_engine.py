@@ -87,37 +87,6 @@ def test_batched_requests_match_running_alone():
     assert [engine.pop_finished(i).output_ids for i in ids] == alone
 
 
-def test_prefill_coalescing_holds_new_prompts_beside_decoders_boundedly_and_keeps_outputs():
-    target = tiny_target(seed=13, vocab_size=VOCAB)
-    prompts = _prompts(13, 5)
-    alone = [_plain_greedy(target, p) for p in prompts]
-    engine = _engine(target, BigramDrafter(VOCAB, block_size=4, seed=3), "dspark", max_running=5,
-                     prefill_wait_steps=2, prefill_coalesce_tokens=25)
-    first = engine.add_request(prompts[0], GREEDY)
-    engine.step()  # nobody decodes yet: the first prompt is never held
-    assert engine.requests[first].output_ids and engine.last_step_kind == "prefill"
-    late = [engine.add_request(prompts[1], GREEDY)]
-    engine.step()  # a new prompt beside a decoding request waits for company ...
-    assert engine.requests[late[0]].num_computed == 0 and engine.last_step_kind != "prefill"
-    late.append(engine.add_request(prompts[2], GREEDY))
-    engine.step()
-    assert all(engine.requests[i].num_computed == 0 for i in late)
-    engine.step()  # ... for at most prefill_wait_steps steps: then both prompts share one step
-    assert engine.last_step_kind == "prefill" and all(engine.requests[i].output_ids for i in late)
-    assert [engine.requests[i].prefill_held for i in late] == [2, 1]
-    # prompts that hold prefill_coalesce_tokens between them start at once
-    big = [engine.add_request(prompts[3], GREEDY), engine.add_request(prompts[4], GREEDY)]
-    assert sum(len(prompts[k]) for k in (1, 2)) < 25 <= sum(len(prompts[k]) for k in (3, 4))
-    engine.step()
-    assert all(engine.requests[i].num_computed > 0 for i in big)
-    ids = [first] + late + big
-    while engine.has_work():
-        engine.step()
-    assert [engine.pop_finished(i).output_ids for i in ids] == alone
-    with pytest.raises(UserError, match="prefill_wait_steps"):
-        EngineConfig(prefill_wait_steps=-1)
-
-
 def test_preemption_by_recomputation_keeps_outputs():
     target = tiny_target(seed=12, vocab_size=VOCAB)
     prompts = _prompts(12, 4)

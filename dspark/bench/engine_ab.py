@@ -31,15 +31,10 @@ taking one step each in turn, and counts each arm's own steps' time only: a drif
 every arm alike, to within a step. (The engines share the target's weights; interleaved, each
 arm's step follows another arm's, so a step may find less of its own data in the caches than
 alone, and every arm alike.)
-
-`--prefill-wait N` runs every arm twice, as given and as NAME+wait with prefill coalescing on
-(`EngineConfig.prefill_wait_steps` = N: a new prompt beside decoding requests waits up to N steps
-for others to share its step).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import statistics
 import sys
@@ -164,16 +159,10 @@ def run_round(loops: dict, interleave: bool) -> dict[str, dict]:
 
 
 def main(argv: list[str]) -> None:
-    """CONCURRENCY ROUNDS REQUESTS NAME=DRAFTER:POLICY ... [--prompt-chars N] [--interleave] [--prefill-wait N]
-    (no argparse outside cli.py)."""
-    chars, interleave, wait = 2000, "--interleave" in argv, 0
+    """CONCURRENCY ROUNDS REQUESTS NAME=DRAFTER:POLICY ... [--prompt-chars N] [--interleave] (no argparse outside
+    cli.py)."""
+    chars, interleave = 2000, "--interleave" in argv
     argv = [a for a in argv if a != "--interleave"]
-    if "--prefill-wait" in argv:
-        at = argv.index("--prefill-wait")
-        value = argv[at + 1] if at + 1 < len(argv) else ""
-        if not value.isdigit() or int(value) < 1:
-            raise SystemExit("--prefill-wait takes the most steps a new prompt waits to share a step, an integer > 0")
-        wait, argv = int(value), argv[:at] + argv[at + 2:]
     if "--prompt-chars" in argv:
         at = argv.index("--prompt-chars")
         value = argv[at + 1] if at + 1 < len(argv) else ""
@@ -184,8 +173,7 @@ def main(argv: list[str]) -> None:
     if (len(numbers) != 3 or not all(a.isdigit() and int(a) > 0 for a in numbers) or len(specs) < 2
             or any(spec.count("=") < 1 or ":" not in spec.partition("=")[2] for spec in specs)):
         raise SystemExit("usage: python -m dspark.bench.engine_ab CONCURRENCY ROUNDS REQUESTS NAME=DRAFTER:POLICY "
-                         "NAME=DRAFTER:POLICY ... [--prompt-chars N] [--interleave] [--prefill-wait N] (integers > 0, "
-                         "two arms or more, "
+                         "NAME=DRAFTER:POLICY ... [--prompt-chars N] [--interleave] (integers > 0, two arms or more, "
                          "each as `dspark bench serve --arm` takes it; e.g. 4 4 32 nospec=none:none dspark=default:dspark)")
     from dspark.bench.arms import parse_arm
     from dspark.errors import UserError
@@ -204,11 +192,6 @@ def main(argv: list[str]) -> None:
     bench = EmbeddedBench.open(concurrency, chars)
     ids, params = bench.prompt_ids, bench.params
     parts = {arm.name: (arm, *bench.backend._arm_parts(arm)) for arm in arms}
-    configs = {arm.name: bench.backend.engine_config for arm in arms}
-    if wait:  # every arm twice: as given, and holding new prompts back to share a step (prefill coalescing)
-        for arm in arms:
-            parts[f"{arm.name}+wait"] = parts[arm.name]
-            configs[f"{arm.name}+wait"] = dataclasses.replace(configs[arm.name], prefill_wait_steps=wait)
 
     def loops(order: list[str], offset: int) -> dict:
         out = {}
@@ -217,13 +200,12 @@ def main(argv: list[str]) -> None:
             options = arm.policy_options
             if arm.policy == "fixed" and options["k"] is None:
                 options = {"k": drafter.block_size}
-            # fresh: a policy keeps state
-            engine = bench.engine(drafter, make_policy(arm.policy, cost, **options), configs[name])
+            engine = bench.engine(drafter, make_policy(arm.policy, cost, **options))  # fresh: a policy keeps state
             engine.target = TimedTarget(engine.target)
             out[name] = closed_loop(engine, ids, params, concurrency, requests, offset)
         return out
 
-    names = list(parts)
+    names = [arm.name for arm in arms]
     run_round(loops(names, len(ids) // 2), interleave)  # one unmeasured round: every arm's first run pays for warming up
     results: dict[str, list[dict]] = {name: [] for name in names}
     rng = random.Random(0)

@@ -325,12 +325,10 @@ class EmbeddedBench:
         encoder = ChatEncoder(loaded.tokenizer)
         return cls(loaded, backend, [encoder(p) for p in prompts], SamplingParams(temperature=0.0, max_new_tokens=64))
 
-    def engine(self, drafter, policy, config=None):
-        """An engine of the load benchmark's settings (or `config`, an `EngineConfig`)."""
+    def engine(self, drafter, policy):
         from dspark.engine.engine import Engine
 
-        return Engine(self.loaded.model, drafter, policy, config or self.backend.engine_config,
-                      tokenizer=self.loaded.tokenizer)
+        return Engine(self.loaded.model, drafter, policy, self.backend.engine_config, tokenizer=self.loaded.tokenizer)
 
 
 def main(argv: list[str]) -> None:

@@ -29,11 +29,6 @@ class BatchLimits:
     kv_budget_tokens: int  # KV tokens across all requests (admission + preemption)
     max_prefill_tokens: int  # prompt tokens computed per step (chunked prefill)
     step_reserve: int  # KV tokens a decoding request may add in one step (G + 1)
-    # prefill coalescing (off at 0): while requests decode, a prompt not yet started waits up to
-    # `prefill_wait_steps` steps for others to join it, until the prompts waiting hold
-    # `prefill_coalesce_tokens` tokens between them
-    prefill_coalesce_tokens: int = 0
-    prefill_wait_steps: int = 0
 
 
 class Batcher:
@@ -92,10 +87,9 @@ class Batcher:
         self._admit(new_slot_state)
         self._preempt_until_fits(plan, release)
         budget = self.limits.max_prefill_tokens
-        held = self._held()
         for req in self.running:
             if req.is_prefilling:
-                if budget <= 0 or id(req) in held:
+                if budget <= 0:
                     continue
                 chunk = min(budget, req.prefill_target - req.num_computed)
                 plan.prefill.append((req, chunk))
@@ -103,27 +97,6 @@ class Batcher:
             else:
                 plan.decode.append(req)
         return plan
-
-    def _held(self) -> set[int]:
-        """The ids of the prompts held back this step (prefill coalescing, `BatchLimits.prefill_wait_steps`): the
-        requests whose prompt has not started while others decode, as long as the prompts
-        waiting to start hold fewer than `prefill_coalesce_tokens` tokens between them and none
-        of them has waited `prefill_wait_steps` steps. A prompt's forward costs less a token in
-        one large chunk than in several small ones (a CPU's matmuls: a chunk of 40 rows beside
-        three decoding requests 6.8 ms a row, of 200 rows 4.3; docs/LOAD.md, session 49), so
-        prompts that arrive a few steps apart can share one step."""
-        limits = self.limits
-        if limits.prefill_wait_steps <= 0 or limits.prefill_coalesce_tokens <= 0:
-            return set()
-        fresh = [r for r in self.running if r.is_prefilling and r.num_computed == 0]
-        if not fresh or all(r.is_prefilling for r in self.running):  # nobody decodes: nothing to wait beside
-            return set()
-        if (sum(r.prefill_target for r in fresh) >= limits.prefill_coalesce_tokens
-                or any(r.prefill_held >= limits.prefill_wait_steps for r in fresh)):
-            return set()
-        for r in fresh:
-            r.prefill_held += 1
-        return {id(r) for r in fresh}
 
     def finish(self, request: Request) -> None:
         if request in self.running:

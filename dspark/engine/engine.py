@@ -35,18 +35,11 @@ class EngineConfig:
     max_seq_len: int = 2048  # prompt + output tokens per request
     kv_budget_tokens: int = 65536  # KV tokens across all requests
     max_prefill_tokens: int = 512  # prompt tokens computed per step
-    # prefill coalescing (off at 0): a new prompt waits up to this many steps beside decoding
-    # requests for others, until the waiting prompts hold prefill_coalesce_tokens (batcher.Batcher._held)
-    prefill_wait_steps: int = 0
-    prefill_coalesce_tokens: int = 256
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_seq_len", "kv_budget_tokens", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise UserError(f"engine setting {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("prefill_wait_steps", "prefill_coalesce_tokens"):
-            if getattr(self, name) < 0:
-                raise UserError(f"engine setting {name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass
@@ -87,8 +80,6 @@ class Engine:
             kv_budget_tokens=config.kv_budget_tokens,
             max_prefill_tokens=config.max_prefill_tokens,
             step_reserve=drafter.block_size + 1,
-            prefill_coalesce_tokens=config.prefill_coalesce_tokens,
-            prefill_wait_steps=config.prefill_wait_steps,
         )
         self.batcher = Batcher(limits, self.kv)
         self.requests: dict[str, Request] = {}

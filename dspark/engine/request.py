@@ -34,7 +34,6 @@ class Request:
     status: Status = Status.WAITING
     slot: int | None = None
     num_computed: int = 0
-    prefill_held: int = 0  # steps the batcher held its prompt back to share a step (prefill coalescing)
     draft_state: object = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     arrival_time: float = field(default_factory=time.perf_counter)
