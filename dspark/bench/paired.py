@@ -141,7 +141,9 @@ def plain_forward_ms(point: dict) -> float | None:
     """Milliseconds of a plain decode step's target forward (None where the engine did not time the
     forward apart: reports before session 49)."""
     kind = (point.get("step_kinds") or {}).get("plain")
-    return 1e3 * kind["forward_seconds"] / kind["steps"] if kind and kind["steps"] and "forward_seconds" in kind else None
+    if not kind or not kind["steps"] or "forward_seconds" not in kind:
+        return None
+    return 1e3 * kind["forward_seconds"] / kind["steps"]
 
 
 def plain_rest_ms(point: dict) -> float | None:
@@ -164,8 +166,8 @@ def _forward_table(points: Sequence[dict], baseline: str) -> str | None:
         value = plain_rest_ms(p) if p["arm"] == baseline else None
         if value is not None:
             base_rest.setdefault((p["pattern"], p["level"]), []).append(value)
-    lines = [f"| arm | pattern | load | a plain step's target forward / {baseline}'s, per repeat | mean (95 % interval) "
-             f"| the rest of a plain step (ms) | {baseline}'s | difference (ms, 95 % interval) |",
+    lines = [f"| arm | pattern | load | a plain step's target forward / {baseline}'s, per repeat "
+             f"| mean (95 % interval) | the rest of a plain step (ms) | {baseline}'s | difference (ms, 95 % interval) |",
              "|---|---|---|---|---|---|---|---|"]
     for key in sorted(forward):
         pattern, level, arm = key

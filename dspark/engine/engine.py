@@ -95,7 +95,8 @@ class Engine:
         self.last_step_kind: str | None = None
         self.last_step_positions = 0
         # the last step's target forward (up to its logits' first host read), in seconds: a step's time
-        # outside it is batching, drafting, scheduling, verification and commit
+        # outside it is batching, drafting, scheduling, verification and commit (on a GPU a step that
+        # samples nothing, a prompt's middle chunk, reads no logits: its time is the forward's launch)
         self.last_forward_seconds = 0.0
 
     # ------------------------------------------------------------------ API
