@@ -161,11 +161,11 @@ def _forward_table(points: Sequence[dict], baseline: str) -> str | None:
     rest = paired_differences(points, baseline, plain_rest_ms)
     if not forward:
         return None
-    base_rest: dict[tuple[str, float], list[float]] = {}
+    rests: dict[tuple[str, float, str], list[float]] = {}  # (pattern, level, arm) -> the rest per repeat
     for p in points:
-        value = plain_rest_ms(p) if p["arm"] == baseline else None
+        value = plain_rest_ms(p)
         if value is not None:
-            base_rest.setdefault((p["pattern"], p["level"]), []).append(value)
+            rests.setdefault((p["pattern"], p["level"], p["arm"]), []).append(value)
     lines = [f"| arm | pattern | load | a plain step's target forward / {baseline}'s, per repeat "
              f"| mean (95 % interval) | the rest of a plain step (ms) | {baseline}'s | difference (ms, 95 % interval) |",
              "|---|---|---|---|---|---|---|---|"]
@@ -173,9 +173,7 @@ def _forward_table(points: Sequence[dict], baseline: str) -> str | None:
         pattern, level, arm = key
         ratios = [r for _, r in forward[key]]
         diffs = [d for d, _ in rest.get(key, [])]
-        mine = [v for p in points if (p["pattern"], p["level"], p["arm"]) == key
-                for v in [plain_rest_ms(p)] if v is not None]
-        theirs = base_rest.get((pattern, level), [])
+        mine, theirs = rests[key], rests[(pattern, level, baseline)]
         lines.append(f"| {arm} | {pattern} | {level:g} | {', '.join(f'{r:.3f}' for r in ratios)} "
                      f"| {statistics.mean(ratios):.3f}x ({interval_cell(mean_interval(ratios))}) "
                      f"| {statistics.mean(mine):.2f} | {statistics.mean(theirs):.2f} "
