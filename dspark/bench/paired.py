@@ -167,7 +167,8 @@ def _forward_table(points: Sequence[dict], baseline: str) -> str | None:
         if value is not None:
             rests.setdefault((p["pattern"], p["level"], p["arm"]), []).append(value)
     lines = [f"| arm | pattern | load | a plain step's target forward / {baseline}'s, per repeat "
-             f"| mean (95 % interval) | the rest of a plain step (ms) | {baseline}'s | difference (ms, 95 % interval) |",
+             f"| mean (95 % interval) | the rest of a plain step (ms) | {baseline}'s "
+             f"| difference (ms, 95 % interval) |",
              "|---|---|---|---|---|---|---|---|"]
     for key in sorted(forward):
         pattern, level, arm = key
